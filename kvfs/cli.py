@@ -1,0 +1,99 @@
+"""The ``kvfs`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvfs import __version__, mountctl
+from kvfs.config import ConfigError, MountConfig, default_backing_dir, parse_size
+
+
+def _cmd_mount(args: argparse.Namespace) -> int:
+    backing = args.backing or default_backing_dir(args.mountpoint)
+    options = [
+        "--write-buffer",
+        str(parse_size(args.write_buffer, "--write-buffer")),
+        "--io-timeout",
+        str(args.io_timeout),
+    ]
+    if args.debug:
+        options.append("--debug")
+    MountConfig(
+        mountpoint=args.mountpoint,
+        backing=backing,  # validate before starting
+        write_buffer_bytes=int(options[1]),
+        io_timeout=args.io_timeout or None,
+    )
+    pid = mountctl.mount(args.mountpoint, backing, options, args.foreground)
+    print(f"kvfs: mounted {args.mountpoint.absolute()} (backing {backing.absolute()}, pid {pid})")
+    return 0
+
+
+def _cmd_umount(args: argparse.Namespace) -> int:
+    mountctl.unmount(args.mountpoint)
+    print(f"kvfs: unmounted {Path(args.mountpoint).absolute()}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvfs", description="KV-cache chunks on a filesystem tier"
+    )
+    parser.add_argument("--version", action="version", version=f"kvfs {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    mount = commands.add_parser(
+        "mount",
+        help="mount a kvfs tier",
+        description="Mount a kvfs tier at MOUNTPOINT. The command returns "
+        "once the mount answers; the daemon keeps running detached.",
+    )
+    mount.add_argument("mountpoint", type=Path)
+    mount.add_argument(
+        "--backing",
+        type=Path,
+        help="directory that holds the chunks (default: /var/cache/kvfs/<mountpoint>)",
+    )
+    mount.add_argument(
+        "--foreground",
+        action="store_true",
+        help="run the daemon in this process instead of detaching",
+    )
+    mount.add_argument(
+        "--write-buffer",
+        default="1G",
+        help="memory for files being written; writers wait beyond it (default 1G)",
+    )
+    mount.add_argument(
+        "--io-timeout",
+        type=float,
+        default=MountConfig.io_timeout,
+        help="seconds a request may wait on the backing store before EIO "
+        "(default %(default)s; 0 waits forever)",
+    )
+    mount.add_argument("--debug", action="store_true", help="log every request")
+    mount.set_defaults(run=_cmd_mount)
+
+    umount = commands.add_parser(
+        "umount",
+        help="unmount a kvfs tier",
+        description="Unmount MOUNTPOINT and wait for its daemon to exit.",
+    )
+    umount.add_argument("mountpoint", type=Path)
+    umount.set_defaults(run=_cmd_umount)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except (mountctl.MountError, ConfigError) as err:
+        print(f"kvfs: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Validated configuration of a mount, and the size syntax the command line accepts."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key and what is accepted."""
+
+
+def parse_size(text: str, key: str = "size") -> int:
+    """Parse ``4096``, ``512K``, ``1.5G``, ``2TiB`` into bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ConfigError(f"{key}: {text!r} is not a size (bytes, or a number with K/M/G/T)")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[unit.upper()])
+
+
+def default_backing_dir(mountpoint: Path) -> Path:
+    """One backing directory per mountpoint, so two default mounts never share one."""
+    name = str(mountpoint.resolve()).strip("/").replace("/", "_") or "root"
+    return Path("/var/cache/kvfs") / name
+
+
+@dataclass(frozen=True)
+class MountConfig:
+    """Everything the daemon needs to serve one mount."""
+
+    mountpoint: Path
+    backing: Path
+    # Bytes of not-yet-published file data the daemon holds; writers wait beyond it.
+    write_buffer_bytes: int = 1 << 30
+    read_threads: int = 8
+    write_threads: int = 4
+    # No request waits longer than this on the backing store (None: wait forever).
+    io_timeout: float | None = 30.0
+    # How long the kernel may cache names, misses and attributes. Safe to make long: every
+    # change goes through the daemon, which invalidates what it changes behind the kernel.
+    cache_timeout: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.write_buffer_bytes < 1 << 20:
+            raise ConfigError("write_buffer_bytes: must be at least 1M")
+        for key in ("read_threads", "write_threads"):
+            if not 1 <= getattr(self, key) <= 256:
+                raise ConfigError(f"{key}: must be between 1 and 256")
+        if self.io_timeout is not None and self.io_timeout <= 0:
+            raise ConfigError("io_timeout: must be a positive number of seconds")
+        if self.cache_timeout < 0:
+            raise ConfigError("cache_timeout: must be zero or more seconds")

@@ -1,0 +1,175 @@
+"""The in-memory index: every visible name, its attributes and its checksum.
+
+It is built from the backing directory at mount time (``BackingStore.scan``), so a restart loses
+nothing, and from then on every change goes through the daemon, which keeps it in step. Lookups
+and stats (misses included) are answered from here without touching the disk.
+
+Inode numbers are the daemon's own: 1 is the root, the rest count up and are never reused
+while the daemon runs. A node that leaves the tree (unlink, rename over it) stays reachable by
+inode number while the kernel still knows it (lookup count) or a file handle holds it.
+"""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import Iterator
+
+ROOT_INO = 1
+
+
+class Node:
+    """One file or directory. Sizes and times are those of the published (backing) version."""
+
+    __slots__ = (
+        "atime_ns",
+        "blocks",
+        "checksum",
+        "children",
+        "ctime_ns",
+        "gid",
+        "ino",
+        "lookups",
+        "mode",
+        "mtime_ns",
+        "name",
+        "on_backing",
+        "open_count",
+        "parent",
+        "size",
+        "uid",
+    )
+
+    def __init__(self, ino: int, name: bytes, mode: int, uid: int = 0, gid: int = 0) -> None:
+        self.ino = ino
+        self.name = name
+        self.parent: Node | None = None
+        self.mode = mode
+        self.uid = uid
+        self.gid = gid
+        self.size = 0
+        self.blocks = 0  # 512-byte units, as the backing filesystem reports them
+        self.atime_ns = self.mtime_ns = self.ctime_ns = 0
+        self.checksum: str | None = None
+        self.on_backing = False  # False while a new file exists only in the write buffer
+        self.children: dict[bytes, Node] | None = {} if stat.S_ISDIR(mode) else None
+        self.lookups = 0  # the kernel's lookup count (see pyfuse3's forget)
+        self.open_count = 0
+
+    @property
+    def is_dir(self) -> bool:
+        return self.children is not None
+
+    @property
+    def attached(self) -> bool:
+        return self.ino == ROOT_INO or self.parent is not None
+
+    def __repr__(self) -> str:
+        return f"Node({self.ino}, {self.name!r})"
+
+
+class Index:
+    """The tree of nodes plus the inode table. Single-threaded: the daemon's event loop owns it."""
+
+    def __init__(self, root_mode: int = stat.S_IFDIR | 0o755) -> None:
+        self.root = Node(ROOT_INO, b"", root_mode)
+        self.by_ino: dict[int, Node] = {ROOT_INO: self.root}
+        self._next_ino = ROOT_INO + 1
+        self.files = 0
+        self.dirs = 0
+        self.bytes = 0  # sum of published file sizes
+        self.blocks = 0  # sum of published st_blocks
+
+    def new_node(self, name: bytes, mode: int, uid: int = 0, gid: int = 0) -> Node:
+        node = Node(self._next_ino, name, mode, uid, gid)
+        self._next_ino += 1
+        self.by_ino[node.ino] = node
+        return node
+
+    def get(self, ino: int) -> Node | None:
+        return self.by_ino.get(ino)
+
+    @staticmethod
+    def child(parent: Node, name: bytes) -> Node | None:
+        assert parent.children is not None
+        return parent.children.get(name)
+
+    def attach(self, parent: Node, name: bytes, node: Node) -> None:
+        assert parent.children is not None and name not in parent.children
+        node.parent, node.name = parent, name
+        parent.children[name] = node
+        if node.is_dir:
+            self.dirs += 1
+        else:
+            self.files += 1
+            self._count(node, +1)
+
+    def detach(self, node: Node) -> None:
+        """Take a node out of the tree; it lives on while the kernel or a handle holds it."""
+        parent = node.parent
+        assert parent is not None and parent.children is not None
+        del parent.children[node.name]
+        node.parent = None
+        if node.is_dir:
+            self.dirs -= 1
+        else:
+            self.files -= 1
+            self._count(node, -1)
+        self.release_if_unused(node)
+
+    def move(self, node: Node, new_parent: Node, new_name: bytes) -> None:
+        old_parent = node.parent
+        assert old_parent is not None and old_parent.children is not None
+        assert new_parent.children is not None and new_name not in new_parent.children
+        del old_parent.children[node.name]
+        node.parent, node.name = new_parent, new_name
+        new_parent.children[new_name] = node
+
+    def set_published(self, node: Node, size: int, blocks: int) -> None:
+        """Record a new published version's size, keeping the totals exact."""
+        if node.attached and not node.is_dir:
+            self._count(node, -1)
+        node.size, node.blocks = size, blocks
+        if node.attached and not node.is_dir:
+            self._count(node, +1)
+
+    def forget(self, ino: int, count: int) -> None:
+        node = self.by_ino.get(ino)
+        if node is not None:
+            node.lookups = max(0, node.lookups - count)
+            self.release_if_unused(node)
+
+    def release_if_unused(self, node: Node) -> None:
+        if not node.attached and node.lookups == 0 and node.open_count == 0:
+            self.by_ino.pop(node.ino, None)
+
+    @staticmethod
+    def path(node: Node) -> bytes:
+        """The node's path relative to the root (b"" for the root); the node must be attached."""
+        parts: list[bytes] = []
+        while node.parent is not None:
+            parts.append(node.name)
+            node = node.parent
+        return b"/".join(reversed(parts))
+
+    @staticmethod
+    def is_ancestor(node: Node, other: Node) -> bool:
+        """Whether ``node`` is ``other`` or one of its ancestors."""
+        current: Node | None = other
+        while current is not None:
+            if current is node:
+                return True
+            current = current.parent
+        return False
+
+    def walk_files(self, top: Node | None = None) -> Iterator[Node]:
+        stack = [top or self.root]
+        while stack:
+            node = stack.pop()
+            if node.children is None:
+                yield node
+            else:
+                stack.extend(node.children.values())
+
+    def _count(self, node: Node, sign: int) -> None:
+        self.bytes += sign * node.size
+        self.blocks += sign * node.blocks

@@ -1,0 +1,34 @@
+"""Names in the backing directory.
+
+The backing directory is exactly the visible tree (a valid vLLM ``root_dir`` without the mount),
+plus one private directory at its root that the mount never shows:
+
+    <backing>/.kvfs/tmp/         files being published (renamed into the tree when complete)
+    <backing>/.kvfs/quarantine/  chunks whose bytes failed their checksum
+    <backing>/.kvfs/lock         held by the daemon that serves this backing directory
+"""
+
+from __future__ import annotations
+
+import re
+
+PRIVATE_DIR = b".kvfs"
+TMP_DIR = PRIVATE_DIR + b"/tmp"
+QUARANTINE_DIR = PRIVATE_DIR + b"/quarantine"
+LOCK_FILE = PRIVATE_DIR + b"/lock"
+
+NAME_MAX = 255
+
+# Temp names of engines that publish by rename: vLLM's fs tier writes `<hex>.bin_<u63>.tmp`
+# and probes O_DIRECT with `.o_direct_probe_<u63>.tmp`. An engine never reopens one, so any
+# left at mount time belongs to a writer that died.
+_ENGINE_TEMP = re.compile(rb"^(?:.+\.bin_\d+|\.o_direct_probe_\d+)\.tmp$")
+
+
+def is_engine_temp(name: bytes) -> bool:
+    return _ENGINE_TEMP.match(name) is not None
+
+
+def is_reserved(parent_is_root: bool, name: bytes) -> bool:
+    """Whether a visible name would collide with the backing directory's private area."""
+    return parent_is_root and name == PRIVATE_DIR

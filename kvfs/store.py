@@ -1,0 +1,264 @@
+"""The backing store: the blocking file operations behind the mount.
+
+Every method here blocks on the backing filesystem, so the daemon calls them from its I/O worker
+threads, never from its event loop. Paths are bytes, relative to the backing root, and name the
+same file in the backing directory as in the visible tree.
+
+Publishing is atomic: the bytes go to a file in ``.kvfs/tmp`` with their checksum in an xattr,
+and only a rename puts them under a visible name. After a crash no visible name holds partial
+data, and ``prepare`` removes what the crash left in ``.kvfs/tmp``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import stat
+from dataclasses import dataclass
+
+from kvfs import checksum, layout
+from kvfs.index import Index, Node
+
+log = logging.getLogger(__name__)
+
+
+class BackingBusy(RuntimeError):
+    """Another daemon already serves this backing directory."""
+
+
+@dataclass(frozen=True)
+class Published:
+    """A file written to ``.kvfs/tmp`` and ready to be renamed into the tree."""
+
+    tmp: bytes  # relative path of the temp file
+    size: int
+    blocks: int
+    checksum: str
+
+
+class BackingStore:
+    def __init__(self, root: bytes) -> None:
+        self.root = os.path.abspath(root)
+        self.xattrs = True  # cleared if the backing filesystem refuses user xattrs
+        self._lock_fd: int | None = None
+
+    def abs(self, rel: bytes) -> bytes:
+        return os.path.join(self.root, rel) if rel else self.root
+
+    # -- start-up ---------------------------------------------------------------------------
+
+    def prepare(self) -> int:
+        """Create the private area, take the lock, and remove orphan temp files.
+
+        Returns how many orphans were removed from ``.kvfs/tmp``.
+        """
+        os.makedirs(self.abs(layout.TMP_DIR), exist_ok=True)
+        os.makedirs(self.abs(layout.QUARANTINE_DIR), exist_ok=True)
+        fd = os.open(self.abs(layout.LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise BackingBusy(
+                f"backing directory {self.root.decode()} is served by another "
+                f"kvfs daemon (pid {holder or '?'})"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+        removed = 0
+        with os.scandir(self.abs(layout.TMP_DIR)) as entries:
+            for entry in entries:
+                os.unlink(entry.path)
+                removed += 1
+        return removed
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def scan(self, index: Index) -> int:
+        """Fill an empty index from the backing tree; returns how many engine temps it removed.
+
+        Only directories and regular files are part of the tree; anything else is skipped with a
+        log line (kvfs never creates it).
+        """
+        st = os.stat(self.root)
+        root = index.root
+        root.mode, root.uid, root.gid = st.st_mode, st.st_uid, st.st_gid
+        root.atime_ns, root.mtime_ns, root.ctime_ns = st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns
+        removed = 0
+        stack: list[tuple[Node, bytes]] = [(root, self.root)]
+        while stack:
+            parent, abs_dir = stack.pop()
+            with os.scandir(abs_dir) as entries:
+                for entry in entries:
+                    name = entry.name
+                    if layout.is_reserved(parent is root, name):
+                        continue
+                    if entry.is_file(follow_symlinks=False) and layout.is_engine_temp(name):
+                        os.unlink(entry.path)
+                        removed += 1
+                        continue
+                    est = entry.stat(follow_symlinks=False)
+                    if not (stat.S_ISDIR(est.st_mode) or stat.S_ISREG(est.st_mode)):
+                        log.warning(
+                            "skipping %r: kvfs serves only files and directories", entry.path
+                        )
+                        continue
+                    node = index.new_node(name, est.st_mode, est.st_uid, est.st_gid)
+                    fill_times(node, est)
+                    node.on_backing = True
+                    if node.children is None:
+                        node.size, node.blocks = est.st_size, est.st_blocks
+                        node.checksum = checksum.read_xattr(entry.path)
+                    index.attach(parent, name, node)
+                    if node.children is not None:
+                        stack.append((node, entry.path))
+        return removed
+
+    # -- data -------------------------------------------------------------------------------
+
+    def write_tmp(
+        self,
+        data: bytes | bytearray | memoryview,
+        mode: int,
+        uid: int,
+        gid: int,
+        times_ns: tuple[int, int],
+        durable: bool,
+    ) -> Published:
+        """Write a whole file under a fresh name in ``.kvfs/tmp``, with its checksum.
+
+        ``durable`` adds an fsync (the writer asked for one). On any error nothing is left.
+        """
+        digest = checksum.checksum(data)
+        name = b"%d-%s.tmp" % (os.getpid(), os.urandom(8).hex().encode())
+        rel = os.path.join(layout.TMP_DIR, name)
+        path = self.abs(rel)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o7777)
+        try:
+            view = memoryview(data)
+            written = 0
+            while written < len(view):
+                written += os.write(fd, view[written:])
+            if self.xattrs and not checksum.write_xattr(fd, digest):
+                self.xattrs = False
+                log.warning(
+                    "%s has no user xattrs: checksums are kept in memory only", self.root.decode()
+                )
+            os.fchmod(fd, mode & 0o7777)
+            if (uid, gid) != (os.geteuid(), os.getegid()):
+                os.fchown(fd, uid, gid)
+            os.utime(fd, ns=times_ns)
+            if durable:
+                os.fsync(fd)
+            blocks = os.fstat(fd).st_blocks
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        return Published(rel, len(view), blocks, digest)
+
+    def discard(self, rel: bytes) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.abs(rel))
+
+    def open_reader(self, rel: bytes) -> int:
+        return os.open(self.abs(rel), os.O_RDONLY | os.O_CLOEXEC)
+
+    @staticmethod
+    def read_verified(fd: int, expected: str | None) -> tuple[bytearray, str]:
+        """Read a whole open file and check it against its checksum.
+
+        Returns the bytes and their checksum. Raises ChecksumMismatch if ``expected`` is set and
+        differs. Short reads from the backing store are retried until EOF.
+        """
+        size = os.fstat(fd).st_size
+        buf = bytearray(size)
+        view = memoryview(buf)
+        done = 0
+        while done < size:
+            got = os.preadv(fd, [view[done:]], done)
+            if got == 0:  # the file shrank under us: not the file the index describes
+                raise checksum.ChecksumMismatch(errno.EIO, "backing file is shorter than its size")
+            done += got
+        digest = checksum.checksum(buf)
+        if expected is not None and digest != expected:
+            raise checksum.ChecksumMismatch(errno.EIO, f"checksum {digest} != {expected}")
+        return buf, digest
+
+    def store_checksum(self, rel: bytes, digest: str) -> None:
+        """Adopt a file that arrived without a checksum (written around the mount)."""
+        if not self.xattrs:
+            return
+        fd = os.open(self.abs(rel), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            checksum.write_xattr(fd, digest)
+        finally:
+            os.close(fd)
+
+    def fsync(self, rel: bytes) -> None:
+        fd = os.open(self.abs(rel), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def quarantine(self, rel: bytes) -> bytes:
+        """Move a bad file out of the visible tree; returns its quarantine path."""
+        flat = rel.replace(b"/", b"%")[-200:]
+        dest = os.path.join(layout.QUARANTINE_DIR, b"%s.%s" % (flat, os.urandom(4).hex().encode()))
+        os.rename(self.abs(rel), self.abs(dest))
+        return dest
+
+    # -- namespace --------------------------------------------------------------------------
+
+    def mkdir(self, rel: bytes, mode: int, uid: int, gid: int) -> os.stat_result:
+        path = self.abs(rel)
+        try:
+            os.mkdir(path, mode & 0o7777)
+        except FileExistsError:
+            if not os.path.isdir(path):  # a directory there is our own, left by a crash
+                raise
+        if (uid, gid) != (os.geteuid(), os.getegid()):
+            os.chown(path, uid, gid)
+        return os.stat(path)
+
+    def rmdir(self, rel: bytes) -> None:
+        os.rmdir(self.abs(rel))
+
+    def unlink(self, rel: bytes) -> None:
+        os.unlink(self.abs(rel))
+
+    def rename(self, old: bytes, new: bytes) -> None:
+        os.rename(self.abs(old), self.abs(new))
+
+    def set_attrs(
+        self,
+        rel: bytes,
+        mode: int | None,
+        owner: tuple[int, int] | None,
+        times_ns: tuple[int, int] | None,
+    ) -> os.stat_result:
+        path = self.abs(rel)
+        if mode is not None:
+            os.chmod(path, mode & 0o7777)
+        if owner is not None:
+            os.chown(path, *owner)
+        if times_ns is not None:
+            os.utime(path, ns=times_ns)
+        return os.stat(path)
+
+    def statvfs(self) -> os.statvfs_result:
+        return os.statvfs(self.root)
+
+
+def fill_times(node: Node, st: os.stat_result) -> None:
+    node.atime_ns, node.mtime_ns, node.ctime_ns = st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns

@@ -1,0 +1,1 @@
+"""The kvfs FUSE daemon (pyfuse3 + trio). Run it with ``kvfs mount``."""

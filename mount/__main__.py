@@ -1,0 +1,5 @@
+import sys
+
+from kvfs.mount.daemon import main
+
+sys.exit(main())

@@ -1,0 +1,122 @@
+"""The daemon process: build the index, mount, tell the launcher we are up, serve, clean up."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from kvfs.config import ConfigError, MountConfig
+from kvfs.index import Index
+from kvfs.mount.operations import KvfsOperations
+from kvfs.mountctl import READY
+from kvfs.store import BackingBusy, BackingStore
+
+log = logging.getLogger("kvfs.mount")
+
+READ_AHEAD_KB = 4096  # 1 MiB READ requests instead of 128 KiB (research/fuse.md §3.2)
+
+
+def _mount_device(mountpoint: str) -> str | None:
+    """The mount's major:minor, read from mountinfo (stat'ing the mount would deadlock us)."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            if fields[4] == mountpoint and fields[sep + 1] == "fuse.kvfs":
+                return fields[2]
+    return None
+
+
+def _raise_read_ahead(mountpoint: str) -> None:
+    dev = _mount_device(mountpoint)
+    try:
+        Path(f"/sys/class/bdi/{dev}/read_ahead_kb").write_text(str(READ_AHEAD_KB))
+    except OSError as err:
+        log.info("could not raise read-ahead of %s: %s", mountpoint, err)
+
+
+def serve(cfg: MountConfig, ready_fd: int | None) -> int:
+    def tell(message: str) -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, message.encode() + b"\n")
+
+    store = BackingStore(os.fsencode(cfg.backing))
+    try:
+        orphans = store.prepare()
+        index = Index()
+        engine_temps = store.scan(index)
+    except (BackingBusy, OSError) as err:
+        tell(f"error: {err}")
+        return 1
+    log.info(
+        "indexed %s: %d files, %d bytes, %d directories; removed %d orphan temp files",
+        cfg.backing,
+        index.files,
+        index.bytes,
+        index.dirs,
+        orphans + engine_temps,
+    )
+    ops = KvfsOperations(cfg, store, index)
+    options = set(pyfuse3.default_options) | {
+        "fsname=kvfs",
+        "subtype=kvfs",
+        "noatime",
+        "auto_unmount",
+        "allow_other",
+    }
+    mountpoint = str(cfg.mountpoint)
+    try:
+        pyfuse3.init(ops, mountpoint, options)
+    except RuntimeError as err:
+        tell(f"error: cannot mount {mountpoint}: {err}")
+        ops.close()
+        return 1
+    _raise_read_ahead(mountpoint)
+    log.info("mounted %s (backing %s, pid %d)", mountpoint, cfg.backing, os.getpid())
+    tell(READY)
+    if ready_fd is not None:
+        os.close(ready_fd)
+    try:
+        trio.run(ops.run)
+    finally:
+        pyfuse3.close(unmount=True)
+        ops.close()
+        store.close()
+        log.info("unmounted %s", mountpoint)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvfs.mount", description="kvfs FUSE daemon (started by `kvfs mount`)"
+    )
+    parser.add_argument("mountpoint", type=Path)
+    parser.add_argument("--backing", type=Path, required=True)
+    parser.add_argument("--ready-fd", type=int)
+    parser.add_argument("--write-buffer", type=int, default=MountConfig.write_buffer_bytes)
+    parser.add_argument("--io-timeout", type=float, default=MountConfig.io_timeout)
+    parser.add_argument("--cache-timeout", type=float, default=MountConfig.cache_timeout)
+    parser.add_argument("--debug", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        cfg = MountConfig(
+            mountpoint=args.mountpoint.resolve(),
+            backing=args.backing.resolve(),
+            write_buffer_bytes=args.write_buffer,
+            io_timeout=args.io_timeout or None,
+            cache_timeout=args.cache_timeout,
+        )
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return serve(cfg, args.ready_fd)

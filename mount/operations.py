@@ -1,0 +1,714 @@
+"""The FUSE operations of kvfs.
+
+Files are whole objects. A file open for writing lives in a memory buffer (bounded by
+``write_buffer_bytes``; writers wait for room, they never fail for it). On close (``flush``) the
+buffer is checksummed, written to the backing store under a temp name and renamed to its visible
+name: the publish. A file open for reading is read whole from the backing store on its first
+READ, verified against its checksum, and served from that buffer: a reader gets every byte or
+EIO, never a short count and never bytes that fail their checksum.
+
+Every backing-store call runs on the dual-queue worker pool, inside an operation task of its
+own, and no request waits for one longer than ``io_timeout``: past it the request fails with EIO
+while the operation completes in the background and keeps the index and backing store in step.
+
+Errno choices:
+  ENOENT        a name that is not in the index (misses are also cached by the kernel)
+  EEXIST        create/mkdir of an existing name, RENAME_NOREPLACE onto one
+  ENAMETOOLONG  a name longer than 255 bytes
+  EPERM         hard links, symlinks, device files, FIFOs and sockets; the reserved name
+                ``.kvfs`` at the root (the backing directory's private area)
+  EINVAL        RENAME_EXCHANGE (not supported), moving a directory into itself
+  EIO           a checksum mismatch (the file is quarantined), an expired deadline
+  ENOTSUP       setting or removing xattrs
+  anything else comes from the backing filesystem (ENOSPC, EDQUOT, EROFS...)
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
+
+import pyfuse3
+import trio
+from pyfuse3 import FUSEError
+
+from kvfs import layout
+from kvfs.checksum import ChecksumMismatch
+from kvfs.config import MountConfig
+from kvfs.index import ROOT_INO, Index, Node
+from kvfs.io_queues import DualQueuePool, Queue
+from kvfs.mount.bridge import IO, ByteBudget, Detached, Future
+from kvfs.mount.invalidator import Invalidator
+from kvfs.store import BackingStore, fill_times
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class WriteState:
+    """The buffer of a file that is open for writing (or was, and failed to publish)."""
+
+    buffer: bytearray = field(default_factory=bytearray)
+    dirty: bool = False
+    writers: int = 0
+    reserved: int = 0  # bytes taken from the write budget
+    lock: trio.Lock = field(default_factory=trio.Lock)
+
+
+@dataclass
+class Handle:
+    node: Node
+    writable: bool
+    fd: int | None = None  # backing file of the version this reader opened
+    content: Future[memoryview] | None = None  # that version, read whole and verified
+
+
+class KvfsOperations(pyfuse3.Operations):
+    enable_writeback_cache = False
+
+    def __init__(self, cfg: MountConfig, store: BackingStore, index: Index) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.store = store
+        self.index = index
+        self.pool = DualQueuePool(cfg.read_threads, cfg.write_threads)
+        self.budget = ByteBudget(cfg.write_buffer_bytes)
+        self.invalidator = Invalidator()
+        self._writes: dict[int, WriteState] = {}
+        self._handles: dict[int, Handle] = {}
+        self._dirs: dict[int, list[tuple[bytes, Node]]] = {}
+        self._next_fh = 1
+        self.deadline_expiries = 0
+        self.checksum_failures = 0
+        # Created in run(), once trio is running.
+        self._ns: trio.Lock
+        self.io: IO
+        self._detached: Detached
+
+    async def run(self) -> None:
+        """Serve requests until the mount goes away or a signal asks us to stop."""
+        self._ns = trio.Lock()  # held across a namespace change: index and backing together
+        self.io = IO(self.pool)
+        async with trio.open_nursery() as nursery:
+            self._detached = Detached(nursery)
+            nursery.start_soon(self._stop_on_signal)
+            await pyfuse3.main(min_tasks=4, max_tasks=128)
+            nursery.cancel_scope.cancel()
+
+    def close(self) -> None:
+        self.invalidator.close()
+        self.pool.shutdown()
+        for handle in self._handles.values():
+            if handle.fd is not None:
+                os.close(handle.fd)
+
+    @staticmethod
+    async def _stop_on_signal() -> None:
+        import signal
+
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                pyfuse3.terminate()
+                return
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    async def _bounded(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run an operation to completion in its own task; wait for it at most io_timeout."""
+        future = self._detached.start(fn)
+        return await self._wait(future)
+
+    async def _wait(self, future: Future[T]) -> T:
+        try:
+            if self.cfg.io_timeout is None:
+                return await future.wait()
+            with trio.move_on_after(self.cfg.io_timeout):
+                return await future.wait()
+        except FUSEError:
+            raise
+        except OSError as err:
+            raise FUSEError(err.errno or errno.EIO) from None
+        self.deadline_expiries += 1
+        log.warning("request waited %.1fs on the backing store: EIO", self.cfg.io_timeout)
+        raise FUSEError(errno.EIO)
+
+    def _node(self, ino: int) -> Node:
+        node = self.index.get(ino)
+        if node is None:
+            raise FUSEError(errno.ENOENT)
+        return node
+
+    def _dir(self, ino: int) -> Node:
+        node = self._node(ino)
+        if not node.is_dir:
+            raise FUSEError(errno.ENOTDIR)
+        return node
+
+    @staticmethod
+    def _check_name(parent: Node, name: bytes) -> None:
+        if len(name) > layout.NAME_MAX:
+            raise FUSEError(errno.ENAMETOOLONG)
+        if layout.is_reserved(parent.ino == ROOT_INO, name):
+            raise FUSEError(errno.EPERM)
+
+    def _attached(self, node: Node) -> bytes:
+        """The node's relative path; ENOENT if it left the tree meanwhile."""
+        if not node.attached:
+            raise FUSEError(errno.ENOENT)
+        return self.index.path(node)
+
+    def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = node.ino
+        attr.entry_timeout = attr.attr_timeout = self.cfg.cache_timeout
+        attr.st_mode = node.mode
+        attr.st_nlink = 2 if node.is_dir else 1
+        attr.st_uid, attr.st_gid = node.uid, node.gid
+        ws = self._writes.get(node.ino)
+        if ws is not None and (ws.dirty or not node.on_backing):
+            attr.st_size = len(ws.buffer)
+            attr.st_blocks = math.ceil(len(ws.buffer) / 512)
+        else:
+            attr.st_size, attr.st_blocks = node.size, node.blocks
+        attr.st_blksize = 4096
+        attr.st_atime_ns, attr.st_mtime_ns = node.atime_ns, node.mtime_ns
+        attr.st_ctime_ns = node.ctime_ns
+        return attr
+
+    def _new_fh(self, handle: Handle) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = handle
+        handle.node.open_count += 1
+        return fh
+
+    def _handle(self, fh: int) -> Handle:
+        try:
+            return self._handles[fh]
+        except KeyError:
+            raise FUSEError(errno.EBADF) from None
+
+    # -- names ------------------------------------------------------------------------------
+
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        parent = self._dir(parent_inode)
+        if len(name) > layout.NAME_MAX:
+            raise FUSEError(errno.ENAMETOOLONG)
+        if name == b".":
+            node: Node | None = parent
+        elif name == b"..":
+            node = parent.parent or parent
+        else:
+            node = self.index.child(parent, name)
+        if node is None:
+            # A negative entry: the kernel caches the miss, so repeated exists() on a cold
+            # cache never reach the daemon. Every create goes through us and replaces it.
+            miss = pyfuse3.EntryAttributes()
+            miss.st_ino = 0
+            miss.entry_timeout = self.cfg.cache_timeout
+            return miss
+        node.lookups += 1
+        return self._attrs(node)
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for ino, count in inode_list:
+            self.index.forget(ino, count)
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._attrs(self._node(inode))
+
+    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
+        self._node(inode)
+        return True  # permissions are checked by the kernel (default_permissions)
+
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        parent = self._dir(parent_inode)
+        self._check_name(parent, name)
+
+        async def op() -> Node:
+            async with self._ns:
+                if self.index.child(parent, name) is not None:
+                    raise FUSEError(errno.EEXIST)
+                rel = os.path.join(self._attached(parent), name)
+                st = await self.io.read(self.store.mkdir, rel, mode, ctx.uid, ctx.gid)
+                node = self.index.new_node(name, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid)
+                fill_times(node, st)
+                node.on_backing = True
+                self.index.attach(parent, name, node)
+                return node
+
+        node = await self._bounded(op)
+        node.lookups += 1
+        return self._attrs(node)
+
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        parent = self._dir(parent_inode)
+
+        async def op() -> None:
+            async with self._ns:
+                node = self.index.child(parent, name)
+                if node is None:
+                    raise FUSEError(errno.ENOENT)
+                if not node.is_dir:
+                    raise FUSEError(errno.ENOTDIR)
+                if node.children:
+                    raise FUSEError(errno.ENOTEMPTY)
+                await self.io.read(self.store.rmdir, self._attached(node))
+                self.index.detach(node)
+
+        await self._bounded(op)
+
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        parent = self._dir(parent_inode)
+
+        async def op() -> None:
+            async with self._ns:
+                node = self.index.child(parent, name)
+                if node is None:
+                    raise FUSEError(errno.ENOENT)
+                if node.is_dir:
+                    raise FUSEError(errno.EISDIR)
+                if node.on_backing:
+                    await self.io.read(self.store.unlink, self._attached(node))
+                self.index.detach(node)  # open handles keep their bytes (fd or buffer)
+
+        await self._bounded(op)
+
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise FUSEError(errno.EINVAL)
+        old_parent = self._dir(parent_inode_old)
+        new_parent = self._dir(parent_inode_new)
+        self._check_name(new_parent, name_new)
+
+        async def op() -> None:
+            async with self._ns:
+                node = self.index.child(old_parent, name_old)
+                if node is None:
+                    raise FUSEError(errno.ENOENT)
+                target = self.index.child(new_parent, name_new)
+                if target is node:
+                    return
+                if target is not None:
+                    if flags & pyfuse3.RENAME_NOREPLACE:
+                        raise FUSEError(errno.EEXIST)
+                    if node.is_dir and not target.is_dir:
+                        raise FUSEError(errno.ENOTDIR)
+                    if target.is_dir and not node.is_dir:
+                        raise FUSEError(errno.EISDIR)
+                    if target.children:
+                        raise FUSEError(errno.ENOTEMPTY)
+                if node.is_dir and Index.is_ancestor(node, new_parent):
+                    raise FUSEError(errno.EINVAL)
+                new_rel = os.path.join(self._attached(new_parent), name_new)
+                if node.on_backing:
+                    await self.io.read(self.store.rename, self._attached(node), new_rel)
+                elif target is not None and target.on_backing:
+                    # The name now means a file that is not published yet: drop the old bytes.
+                    remove = self.store.rmdir if target.is_dir else self.store.unlink
+                    await self.io.read(remove, new_rel)
+                if target is not None:
+                    self.index.detach(target)  # open readers keep the old content
+                self.index.move(node, new_parent, name_new)
+
+        await self._bounded(op)
+
+    async def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        raise FUSEError(errno.EPERM)  # a chunk has one name; hard links are not supported
+
+    async def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        raise FUSEError(errno.EPERM)
+
+    async def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        raise FUSEError(errno.EPERM)  # device files, FIFOs and sockets are not supported
+
+    # -- directories ------------------------------------------------------------------------
+
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        node = self._dir(inode)
+        assert node.children is not None
+        fh = self._next_fh
+        self._next_fh += 1
+        self._dirs[fh] = sorted(node.children.items())  # a snapshot: offsets stay stable
+        return fh
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        entries = self._dirs[fh]
+        for i in range(start_id, len(entries)):
+            name, node = entries[i]
+            if not node.attached:
+                continue
+            if not pyfuse3.readdir_reply(token, name, self._attrs(node), i + 1):
+                break
+            node.lookups += 1
+
+    async def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    # -- files ------------------------------------------------------------------------------
+
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        parent = self._dir(parent_inode)
+        self._check_name(parent, name)
+        existing = self.index.child(parent, name)
+        if existing is not None:
+            if flags & os.O_EXCL:
+                raise FUSEError(errno.EEXIST)
+            existing.lookups += 1
+            return await self.open(existing.ino, flags, ctx), self._attrs(existing)
+        if not parent.attached:
+            raise FUSEError(errno.ENOENT)
+        node = self.index.new_node(name, stat.S_IFREG | (mode & 0o7777), ctx.uid, ctx.gid)
+        node.atime_ns = node.mtime_ns = node.ctime_ns = time.time_ns()
+        self.index.attach(parent, name, node)
+        # Visible at once, published on close: until then the name holds an empty buffer.
+        self._writes[node.ino] = WriteState(dirty=True, writers=1)
+        fh = self._new_fh(Handle(node, writable=True))
+        node.lookups += 1
+        return pyfuse3.FileInfo(fh=fh, keep_cache=False), self._attrs(node)
+
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        node = self._node(inode)
+        if node.is_dir:
+            raise FUSEError(errno.EISDIR)
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            await self._bounded(partial(self._open_for_write, node, bool(flags & os.O_TRUNC)))
+            return pyfuse3.FileInfo(fh=self._new_fh(Handle(node, writable=True)), keep_cache=False)
+        handle = Handle(node, writable=False)
+        if node.ino not in self._writes and node.on_backing:
+            handle.fd = await self._bounded(partial(self._open_backing, node))
+        # O_DIRECT needs nothing special: the kernel bypasses its cache for that file descriptor
+        # and sends READs of up to 1 MiB, each answered in full from the verified buffer.
+        return pyfuse3.FileInfo(fh=self._new_fh(handle), keep_cache=True)
+
+    async def _open_backing(self, node: Node) -> int:
+        """Open the backing file of a published node (the exact version the index describes)."""
+        async with self._ns:  # no rename may move the name between path and open
+            return await self.io.read(self.store.open_reader, self._attached(node))
+
+    async def _open_for_write(self, node: Node, truncate: bool) -> None:
+        ws = self._writes.get(node.ino)
+        if ws is None:
+            ws = self._writes[node.ino] = WriteState()
+            if node.on_backing and node.size and not truncate:
+                try:
+                    async with ws.lock:  # writes wait until the current bytes are loaded
+                        await self.budget.acquire(node.size)
+                        ws.reserved = node.size
+                        ws.buffer = await self._read_backing(node)
+                except BaseException:
+                    self._drop_write_state(node)
+                    raise
+        ws.writers += 1
+        if truncate:
+            async with ws.lock:
+                self._resize(ws, 0)
+                ws.dirty = True
+
+    async def _read_backing(self, node: Node) -> bytearray:
+        fd = await self._open_backing(node)
+        try:
+            data, _ = await self._read_verified(node, fd)
+        finally:
+            os.close(fd)
+        return data
+
+    async def _read_verified(self, node: Node, fd: int) -> tuple[bytearray, str]:
+        try:
+            data, digest = await self.io.read(self.store.read_verified, fd, node.checksum)
+        except ChecksumMismatch as err:
+            await self._quarantine(node, str(err))
+            raise
+        if node.checksum is None:  # written around the mount: adopt it with this checksum
+            node.checksum = digest
+            if node.attached:
+                self.io.submit(
+                    Queue.WRITE, self.store.store_checksum, self.index.path(node), digest
+                )
+        return data, digest
+
+    async def _quarantine(self, node: Node, why: str) -> None:
+        self.checksum_failures += 1
+        async with self._ns:
+            if not node.attached:
+                return
+            rel = self.index.path(node)
+            parent = node.parent
+            assert parent is not None
+            dest = await self.io.read(self.store.quarantine, rel)
+            self.index.detach(node)
+        log.error(
+            "quarantined %s to %s: %s",
+            rel.decode(errors="replace"),
+            dest.decode(errors="replace"),
+            why,
+        )
+        self.invalidator.entry(parent.ino, node.name, node.ino)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        handle = self._handle(fh)
+        ws = self._writes.get(handle.node.ino)
+        if ws is not None and (handle.writable or handle.fd is None):
+            return bytes(ws.buffer[off : off + size])  # copy: the buffer may still change
+        if handle.content is None:
+            handle.content = self._detached.start(partial(self._load, handle))
+        content = await self._wait(handle.content)
+        return content[off : off + size]
+
+    async def _load(self, handle: Handle) -> memoryview:
+        node = handle.node
+        if handle.fd is None:  # opened while the file was being written, published since
+            if not node.on_backing:
+                return memoryview(b"")
+            handle.fd = await self._open_backing(node)
+        data, _ = await self._read_verified(node, handle.fd)
+        return memoryview(data)
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        handle = self._handle(fh)
+        if not handle.writable:
+            raise FUSEError(errno.EBADF)
+        ws = self._writes[handle.node.ino]
+        async with ws.lock:
+            end = off + len(buf)
+            if end > len(ws.buffer):
+                await self._grow(ws, end)
+            ws.buffer[off:end] = buf
+            ws.dirty = True
+        handle.node.mtime_ns = handle.node.ctime_ns = time.time_ns()
+        return len(buf)
+
+    async def _grow(self, ws: WriteState, size: int) -> None:
+        """Extend a buffer with zeros, waiting for budget (never failing for it)."""
+        extra = size - len(ws.buffer)
+        await self.budget.acquire(extra)
+        ws.reserved += extra
+        ws.buffer.extend(bytes(extra))
+
+    def _resize(self, ws: WriteState, size: int) -> None:
+        """Shrink a buffer, returning the freed bytes to the budget."""
+        freed = len(ws.buffer) - size
+        if freed > 0:
+            del ws.buffer[size:]
+            ws.reserved -= freed
+            self.budget.release(freed)
+
+    async def flush(self, fh: int) -> None:
+        # close() of a written file is where its errors (ENOSPC, EIO) can still reach the writer.
+        handle = self._handle(fh)
+        ws = self._writes.get(handle.node.ino)
+        if handle.writable and ws is not None and ws.dirty:
+            await self._bounded(partial(self._publish, handle.node, durable=False))
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        handle = self._handle(fh)
+        ws = self._writes.get(handle.node.ino)
+        if ws is not None and ws.dirty:
+            await self._bounded(partial(self._publish, handle.node, durable=True))
+        elif handle.node.on_backing:
+            node = handle.node
+
+            async def op() -> None:
+                async with self._ns:
+                    rel = self._attached(node)
+                await self.io.write(self.store.fsync, rel)
+
+            await self._bounded(op)
+
+    async def release(self, fh: int) -> None:
+        handle = self._handles.pop(fh)
+        node = handle.node
+        node.open_count -= 1
+        if handle.fd is not None:
+            os.close(handle.fd)
+        ws = self._writes.get(node.ino)
+        if handle.writable and ws is not None:
+            ws.writers -= 1
+            if ws.writers == 0:
+                if ws.dirty:  # not flushed (or flush failed): last chance, nobody to tell
+                    try:
+                        await self._bounded(partial(self._publish, node))
+                    except FUSEError as err:
+                        log.warning("publish of inode %d failed at release: %s", node.ino, err)
+                self._drop_write_state(node)
+        self.index.release_if_unused(node)
+
+    async def _publish(self, node: Node, durable: bool = False) -> None:
+        ws = self._writes[node.ino]
+        async with ws.lock:  # writes to this file wait until it is published
+            if not ws.dirty:
+                return
+            pub = await self.io.write(
+                self.store.write_tmp,
+                ws.buffer,
+                node.mode,
+                node.uid,
+                node.gid,
+                (node.atime_ns, node.mtime_ns),
+                durable,
+            )
+            async with self._ns:
+                if not node.attached:  # unlinked while open: the bytes have no name to take
+                    await self.io.read(self.store.discard, pub.tmp)
+                    ws.dirty = False
+                    return
+                try:
+                    await self.io.read(self.store.rename, pub.tmp, self.index.path(node))
+                except BaseException:
+                    await self.io.read(self.store.discard, pub.tmp)
+                    raise
+                node.on_backing = True
+                node.checksum = pub.checksum
+                self.index.set_published(node, pub.size, pub.blocks)
+                ws.dirty = False
+        self.invalidator.attributes(node.ino)  # st_blocks changed: `du` must see it
+
+    def _drop_write_state(self, node: Node) -> None:
+        ws = self._writes.pop(node.ino)
+        self.budget.release(ws.reserved)
+        if ws.dirty and not node.on_backing and node.attached:
+            # Never published: the name must not outlive the bytes it stood for.
+            parent = node.parent
+            assert parent is not None
+            self.index.detach(node)
+            self.invalidator.entry(parent.ino, node.name, node.ino)
+        self.invalidator.attributes(node.ino)
+
+    # -- attributes -------------------------------------------------------------------------
+
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        node = self._node(inode)
+        if fields.update_size:
+            if node.is_dir:
+                raise FUSEError(errno.EISDIR)
+            await self._bounded(partial(self._truncate, node, attr.st_size))
+        mode = (node.mode & ~0o7777) | (attr.st_mode & 0o7777) if fields.update_mode else None
+        owner = None
+        if fields.update_uid or fields.update_gid:
+            owner = (
+                attr.st_uid if fields.update_uid else node.uid,
+                attr.st_gid if fields.update_gid else node.gid,
+            )
+        times = None
+        if fields.update_atime or fields.update_mtime:
+            times = (
+                attr.st_atime_ns if fields.update_atime else node.atime_ns,
+                attr.st_mtime_ns if fields.update_mtime else node.mtime_ns,
+            )
+        if mode is None and owner is None and times is None:
+            return self._attrs(node)
+
+        async def op() -> None:
+            async with self._ns:
+                if node.on_backing and node.attached:
+                    st = await self.io.read(
+                        self.store.set_attrs, self.index.path(node), mode, owner, times
+                    )
+                    node.ctime_ns = st.st_ctime_ns
+                else:
+                    node.ctime_ns = time.time_ns()
+                if mode is not None:
+                    node.mode = mode
+                if owner is not None:
+                    node.uid, node.gid = owner
+                if times is not None:
+                    node.atime_ns, node.mtime_ns = times
+
+        await self._bounded(op)
+        return self._attrs(node)
+
+    async def _truncate(self, node: Node, size: int) -> None:
+        ws = self._writes.get(node.ino)
+        standalone = ws is None  # truncate(2) by path: no writer will publish it for us
+        if standalone:
+            await self._open_for_write(node, truncate=size == 0)
+            ws = self._writes[node.ino]
+        assert ws is not None
+        try:
+            async with ws.lock:
+                if size > len(ws.buffer):
+                    await self._grow(ws, size)
+                else:
+                    self._resize(ws, size)
+                ws.dirty = True
+            node.mtime_ns = node.ctime_ns = time.time_ns()
+            if standalone:
+                await self._publish(node)
+        finally:
+            if standalone:
+                ws.writers -= 1
+                self._drop_write_state(node)
+
+    # -- filesystem -------------------------------------------------------------------------
+
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        st = await self._bounded(partial(self.io.read, self.store.statvfs))
+        out = pyfuse3.StatvfsData()
+        out.f_bsize, out.f_frsize = st.f_bsize, st.f_frsize
+        out.f_blocks, out.f_bfree, out.f_bavail = st.f_blocks, st.f_bfree, st.f_bavail
+        out.f_files, out.f_ffree, out.f_favail = st.f_files, st.f_ffree, st.f_favail
+        out.f_namemax = layout.NAME_MAX
+        return out
+
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        value = self._xattrs(self._node(inode)).get(name)
+        if value is None:  # security.* lands here at once: the kernel asks on every first write
+            raise FUSEError(pyfuse3.ENOATTR)
+        return value
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return list(self._xattrs(self._node(inode)))
+
+    async def setxattr(
+        self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
+    ) -> None:
+        raise FUSEError(errno.ENOTSUP)
+
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise FUSEError(errno.ENOTSUP)
+
+    def _xattrs(self, node: Node) -> dict[bytes, bytes]:
+        """Read-only attributes the daemon answers from memory."""
+        values: dict[bytes, bytes] = {}
+        if node.checksum is not None:
+            values[b"user.kvfs.checksum"] = node.checksum.encode()
+        if node.ino == ROOT_INO:
+            values[b"user.kvfs.pid"] = str(os.getpid()).encode()
+            values[b"user.kvfs.backing"] = self.store.root
+        return values
