@@ -6,12 +6,13 @@ the pieces are there and starts ``python -m kvfs.mount``, which does.
 
 from __future__ import annotations
 
-import ctypes.util
+import ctypes
 import errno
 import importlib.util
 import os
 import select
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -52,13 +53,19 @@ def _is_mountpoint(path: str) -> bool:
 
 def preflight(mountpoint: Path, backing: Path) -> None:
     """Everything that can be checked before mounting; raises MountError with the first problem."""
-    if not Path("/dev/fuse").exists():
+    try:
+        fuse_dev = os.stat("/dev/fuse").st_mode
+    except OSError:
+        fuse_dev = 0
+    if not stat.S_ISCHR(fuse_dev):
         raise MountError(
             "no /dev/fuse: load the fuse module (modprobe fuse), or give the "
             "container --device /dev/fuse"
         )
-    if ctypes.util.find_library("fuse3") is None:
-        raise MountError("libfuse3 is missing: apt-get install fuse3 libfuse3-dev")
+    try:
+        ctypes.CDLL("libfuse3.so.3")
+    except OSError:
+        raise MountError("libfuse3 is missing: apt-get install fuse3 libfuse3-dev") from None
     if shutil.which("fusermount3") is None:
         raise MountError("fusermount3 is missing: apt-get install fuse3")
     if importlib.util.find_spec("pyfuse3") is None or importlib.util.find_spec("trio") is None:
@@ -74,7 +81,7 @@ def preflight(mountpoint: Path, backing: Path) -> None:
         raise MountError(f"mountpoint {mnt}: {err.strerror}") from None
     if mnt in kvfs_mounts() or _is_mountpoint(mnt):
         raise MountError(f"{mnt} is already mounted")
-    if not os.path.isdir(mnt) or not (st.st_mode & 0o040000):
+    if not stat.S_ISDIR(st.st_mode):
         raise MountError(f"mountpoint {mnt} is not a directory")
     if os.listdir(mnt):
         raise MountError(f"mountpoint {mnt} is not empty")

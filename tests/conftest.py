@@ -1,0 +1,99 @@
+"""Fixtures: real kvfs mounts (through the `kvfs` command), always unmounted afterwards."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvfs import mountctl
+
+KVFS = [sys.executable, "-m", "kvfs.cli"]
+
+
+def kvfs(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run the kvfs command line, as an operator would."""
+    done = subprocess.run([*KVFS, *args], capture_output=True, text=True, timeout=120)
+    if check and done.returncode != 0:
+        raise AssertionError(f"kvfs {' '.join(args)} failed: {done.stderr.strip()}")
+    return done
+
+
+@dataclass
+class Mount:
+    path: Path
+    backing: Path
+    options: tuple[str, ...] = ()
+    pid: int = 0
+
+    def start(self) -> Mount:
+        kvfs("mount", str(self.path), "--backing", str(self.backing), *self.options)
+        self.pid = int(os.getxattr(self.path, "user.kvfs.pid"))
+        return self
+
+    def stop(self) -> None:
+        """Unmount, however the daemon is doing; never leaves a mount behind."""
+        if str(self.path) in mountctl.kvfs_mounts():
+            if kvfs("umount", str(self.path), check=False).returncode != 0:
+                subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False)
+        if self.pid:
+            wait_gone(self.pid)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def kill(self) -> None:
+        """kill -9 the daemon and wait until the kernel has dropped the mount."""
+        os.kill(self.pid, 9)
+        wait_gone(self.pid)
+        deadline = time.monotonic() + 10
+        while str(self.path) in mountctl.kvfs_mounts() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if str(self.path) in mountctl.kvfs_mounts():  # auto_unmount should have done it
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False)
+
+
+def wait_gone(pid: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state == "Z":
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} still running after {timeout}s")
+
+
+def make_mount(tmp: Path, *options: str) -> Mount:
+    (tmp / "mnt").mkdir()
+    (tmp / "backing").mkdir()
+    return Mount(tmp / "mnt", tmp / "backing", options)
+
+
+@pytest.fixture(scope="module")
+def kv_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
+    """A fresh kvfs mount for the test module."""
+    mount = make_mount(tmp_path_factory.mktemp("kvfs"))
+    try:
+        yield mount.start()
+    finally:
+        mount.stop()
+
+
+@pytest.fixture
+def fresh_mount(tmp_path: Path) -> Iterator[Mount]:
+    """A kvfs mount of the test's own, for tests that restart or kill the daemon."""
+    mount = make_mount(tmp_path)
+    try:
+        yield mount.start()
+    finally:
+        mount.stop()

@@ -1,0 +1,209 @@
+"""POSIX behaviour that engines and tools rely on, on a real mount."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Mount
+
+libc = ctypes.CDLL(None, use_errno=True)
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+AT_FDCWD = -100
+
+
+def renameat2(old: Path, new: Path, flags: int) -> None:
+    if libc.renameat2(AT_FDCWD, bytes(old), AT_FDCWD, bytes(new), flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+@pytest.fixture
+def d(kv_mount: Mount, request: pytest.FixtureRequest) -> Path:
+    """A directory of the test's own on the module's mount."""
+    path = kv_mount.path / request.node.name
+    path.mkdir()
+    return path
+
+
+def test_create_write_read_and_backing_mirrors_the_tree(kv_mount: Mount, d: Path) -> None:
+    (d / "sub").mkdir()
+    (d / "sub" / "f").write_bytes(b"x" * 10000)
+    assert (d / "sub" / "f").read_bytes() == b"x" * 10000
+    backing = kv_mount.backing / d.name / "sub" / "f"
+    assert backing.read_bytes() == b"x" * 10000
+    assert os.getxattr(backing, "user.kvfs.checksum") == os.getxattr(
+        d / "sub" / "f", "user.kvfs.checksum"
+    )
+
+
+def test_o_excl_create_of_an_existing_name_fails(d: Path) -> None:
+    (d / "f").write_bytes(b"1")
+    with pytest.raises(FileExistsError):
+        os.open(d / "f", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    assert (d / "f").read_bytes() == b"1"
+
+
+def test_rename_replaces_atomically_and_readers_keep_the_old_bytes(d: Path) -> None:
+    (d / "final").write_bytes(b"old" * 1000)
+    reader = open(d / "final", "rb")
+    (d / "tmp").write_bytes(b"new" * 1000)
+    os.rename(d / "tmp", d / "final")
+    assert (d / "final").read_bytes() == b"new" * 1000
+    assert reader.read() == b"old" * 1000
+    reader.close()
+    assert sorted(os.listdir(d)) == ["final"]
+
+
+def test_rename_noreplace_refuses_an_existing_target(d: Path) -> None:
+    (d / "a").write_bytes(b"a")
+    (d / "b").write_bytes(b"b")
+    with pytest.raises(FileExistsError):
+        renameat2(d / "a", d / "b", RENAME_NOREPLACE)
+    renameat2(d / "a", d / "c", RENAME_NOREPLACE)
+    assert (d / "b").read_bytes() == b"b" and (d / "c").read_bytes() == b"a"
+    with pytest.raises(OSError) as err:
+        renameat2(d / "b", d / "c", RENAME_EXCHANGE)
+    assert err.value.errno == errno.EINVAL
+
+
+def test_rename_of_directories(kv_mount: Mount, d: Path) -> None:
+    (d / "x" / "y").mkdir(parents=True)
+    (d / "x" / "y" / "f").write_bytes(b"f")
+    os.rename(d / "x", d / "z")
+    assert (d / "z" / "y" / "f").read_bytes() == b"f"
+    assert (kv_mount.backing / d.name / "z" / "y" / "f").read_bytes() == b"f"
+    (d / "full").mkdir()
+    (d / "full" / "g").write_bytes(b"g")
+    with pytest.raises(OSError) as err:
+        os.rename(d / "z", d / "full")
+    assert err.value.errno == errno.ENOTEMPTY
+    with pytest.raises(OSError) as err:
+        os.rename(d / "z", d / "z" / "y" / "inside")
+    assert err.value.errno == errno.EINVAL
+
+
+def test_unlink_while_open_keeps_the_reader_and_frees_the_name(kv_mount: Mount, d: Path) -> None:
+    (d / "f").write_bytes(b"data" * 4096)
+    with open(d / "f", "rb") as reader:
+        os.unlink(d / "f")
+        assert not (d / "f").exists()
+        assert not (kv_mount.backing / d.name / "f").exists()
+        assert reader.read() == b"data" * 4096
+
+
+def test_mkdir_rmdir_readdir(d: Path) -> None:
+    names = {f"n{i}" for i in range(300)}
+    for name in names:
+        (d / name).mkdir()
+    assert set(os.listdir(d)) == names
+    with pytest.raises(FileExistsError):
+        (d / "n1").mkdir()
+    (d / "n1" / "f").write_bytes(b"")
+    with pytest.raises(OSError) as err:
+        (d / "n1").rmdir()
+    assert err.value.errno == errno.ENOTEMPTY
+    for name in names - {"n1"}:
+        (d / name).rmdir()
+    assert os.listdir(d) == ["n1"]
+
+
+def test_setattr_truncate_chmod_chown_utimens(kv_mount: Mount, d: Path) -> None:
+    f = d / "f"
+    f.write_bytes(b"0123456789")
+    os.truncate(f, 4)
+    assert f.read_bytes() == b"0123"
+    os.truncate(f, 6)
+    assert f.read_bytes() == b"0123\0\0"
+    with open(f, "r+b") as fh:
+        fh.truncate(2)
+        fh.seek(0, 2)
+        fh.write(b"!")
+    assert f.read_bytes() == b"01!"
+    os.chmod(f, 0o600)
+    os.chown(f, 1234, 5678)
+    os.utime(f, ns=(1_000_000_000, 2_000_000_000))
+    for path in (f, kv_mount.backing / d.name / "f"):
+        st = os.stat(path)
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        assert (st.st_uid, st.st_gid) == (1234, 5678)
+        assert st.st_mtime_ns == 2_000_000_000
+    assert (kv_mount.backing / d.name / "f").read_bytes() == b"01!"
+
+
+def test_overwrite_in_place_and_append(d: Path) -> None:
+    f = d / "f"
+    f.write_bytes(b"a" * 8192)
+    with open(f, "r+b") as fh:
+        fh.seek(4096)
+        fh.write(b"b" * 10)
+        fh.flush()
+        os.fsync(fh.fileno())
+    with open(f, "ab") as fh:
+        fh.write(b"c")
+    assert f.read_bytes() == b"a" * 4096 + b"b" * 10 + b"a" * 4086 + b"c"
+
+
+def test_unsupported_operations_give_their_errno(d: Path) -> None:
+    (d / "f").write_bytes(b"f")
+    with pytest.raises(OSError) as err:
+        os.link(d / "f", d / "hard")
+    assert err.value.errno == errno.EPERM
+    with pytest.raises(OSError) as err:
+        os.symlink("f", d / "sym")
+    assert err.value.errno == errno.EPERM
+    with pytest.raises(OSError) as err:
+        os.mkfifo(d / "fifo")
+    assert err.value.errno == errno.EPERM
+    with pytest.raises(OSError) as err:
+        os.setxattr(d / "f", "user.other", b"1")
+    assert err.value.errno == errno.ENOTSUP
+    assert sorted(os.listdir(d)) == ["f"]
+
+
+def test_names_longer_than_name_max(d: Path) -> None:
+    with pytest.raises(OSError) as err:
+        (d / ("x" * 256)).write_bytes(b"")
+    assert err.value.errno == errno.ENAMETOOLONG
+    (d / ("x" * 255)).write_bytes(b"ok")
+    assert (d / ("x" * 255)).read_bytes() == b"ok"
+
+
+def test_private_area_is_hidden_and_reserved(kv_mount: Mount) -> None:
+    assert ".kvfs" not in os.listdir(kv_mount.path)
+    assert not (kv_mount.path / ".kvfs").exists()
+    with pytest.raises(PermissionError):
+        (kv_mount.path / ".kvfs").mkdir()
+
+
+def test_access_stat_of_missing_names(d: Path) -> None:
+    for _ in range(3):  # the second and third come from the kernel's negative entries
+        assert not os.access(d / "missing", os.F_OK)
+    (d / "missing").write_bytes(b"now here")
+    assert os.access(d / "missing", os.F_OK)
+
+
+def test_du_and_df_tell_the_truth(kv_mount: Mount, d: Path) -> None:
+    (d / "a").write_bytes(os.urandom(1 << 20))
+    (d / "b").write_bytes(os.urandom(12288))
+    du = subprocess.run(["du", "-sb", str(d)], capture_output=True, text=True, check=True)
+    assert int(du.stdout.split()[0]) == (1 << 20) + 12288
+    blocks = sum(os.stat(kv_mount.backing / d.name / n).st_blocks for n in "ab")
+    assert sum(os.stat(d / n).st_blocks for n in "ab") == blocks
+    mine, backing = os.statvfs(kv_mount.path), os.statvfs(kv_mount.backing)
+    assert mine.f_blocks == backing.f_blocks and mine.f_namemax == 255
+
+
+def test_fsync_of_a_published_file(d: Path) -> None:
+    (d / "f").write_bytes(b"durable")
+    fd = os.open(d / "f", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

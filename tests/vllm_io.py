@@ -1,0 +1,78 @@
+"""vLLM 0.33.0's fs-tier I/O pattern, syscall for syscall (DESIGN.md, research/vllm-tiering.md §3).
+
+Written out here so the tests can drive it with and without O_DIRECT, from many threads and
+processes, and check every byte; test_vllm_tier.py drives vLLM's own code as well.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+
+_SUFFIX = f"_{random.randint(0, 2**63 - 1)}.tmp"
+
+
+def aligned(size: int) -> mmap.mmap:
+    """A page-aligned buffer, as O_DIRECT needs (vLLM's host region is mmap memory)."""
+    return mmap.mmap(-1, size)
+
+
+def store(path: str, data: bytes | mmap.mmap, o_direct: bool = False) -> bool:
+    """exists → mkdir -p → O_EXCL temp → one write → close → rename. False if it existed."""
+    if os.path.exists(path):
+        return False
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + _SUFFIX + str(random.randint(0, 2**31))
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | (os.O_DIRECT if o_direct else 0)
+    fd = os.open(tmp, flags, 0o644)
+    try:
+        written = os.write(fd, data)
+        if written != len(data):
+            raise OSError(f"short write {written} of {len(data)}")
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    return True
+
+
+def load(path: str, size: int, o_direct: bool = False) -> bytes:
+    """open → one readv of the whole chunk; a short read is corruption (vLLM deletes the file)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if o_direct else 0))
+    try:
+        buf = aligned(size)
+        got = os.readv(fd, [buf])
+    finally:
+        os.close(fd)
+    if got != size:
+        raise AssertionError(f"short read: {got} of {size} bytes from {path}")
+    return bytes(buf)
+
+
+def probe_o_direct(directory: str) -> bool:
+    """vLLM's start-up probe: a page written with O_DIRECT, or buffered I/O for good."""
+    path = os.path.join(directory, f".o_direct_probe_{random.randint(0, 2**63 - 1)}.tmp")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_DIRECT, 0o644)
+        try:
+            os.write(fd, aligned(mmap.PAGESIZE))
+        finally:
+            os.close(fd)
+            os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
+def chunk_path(root: str, key: int, group: int = 0) -> str:
+    """A path shaped like vLLM's: <root>/<model>_<digest>_r0/<hex[:3]>/<hex[3:5]>_g<g>/<hex>.bin."""
+    hex_ = f"{key:064x}"
+    return f"{root}/test-model_0123456789ab_r0/{hex_[:3]}/{hex_[3:5]}_g{group}/{hex_}.bin"
+
+
+def chunk_bytes(key: int, size: int) -> bytes:
+    """Deterministic bytes for a key, different for every key and every page."""
+    return random.Random(key).randbytes(size)
