@@ -12,7 +12,7 @@ inode number while the kernel still knows it (lookup count) or a file handle hol
 from __future__ import annotations
 
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 ROOT_INO = 1
 
@@ -50,7 +50,9 @@ class Node:
         self.blocks = 0  # 512-byte units, as the backing filesystem reports them
         self.atime_ns = self.mtime_ns = self.ctime_ns = 0
         self.checksum: str | None = None
-        self.on_backing = False  # False while a new file exists only in the write buffer
+        # Whether the backing store holds this node's bytes: at its path while it is in the tree,
+        # in .kvfs/unlinked/<ino> once it left the tree but the kernel may still open it.
+        self.on_backing = False
         self.children: dict[bytes, Node] | None = {} if stat.S_ISDIR(mode) else None
         self.lookups = 0  # the kernel's lookup count (see pyfuse3's forget)
         self.open_count = 0
@@ -76,6 +78,8 @@ class Index:
         self._next_ino = ROOT_INO + 1
         self.files = 0
         self.dirs = 0
+        # Called with each node that leaves the inode table (the daemon frees its bytes).
+        self.on_release: Callable[[Node], None] = lambda node: None
         self.bytes = 0  # sum of published file sizes
         self.blocks = 0  # sum of published st_blocks
 
@@ -139,8 +143,9 @@ class Index:
             self.release_if_unused(node)
 
     def release_if_unused(self, node: Node) -> None:
-        if not node.attached and node.lookups == 0 and node.open_count == 0:
-            self.by_ino.pop(node.ino, None)
+        unused = not node.attached and node.lookups == 0 and node.open_count == 0
+        if unused and self.by_ino.pop(node.ino, None) is not None:
+            self.on_release(node)
 
     @staticmethod
     def path(node: Node) -> bytes:

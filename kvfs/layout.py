@@ -4,6 +4,8 @@ The backing directory is exactly the visible tree (a valid vLLM ``root_dir`` wit
 plus one private directory at its root that the mount never shows:
 
     <backing>/.kvfs/tmp/         files being published (renamed into the tree when complete)
+    <backing>/.kvfs/unlinked/    files unlinked or replaced while the kernel still knows them
+                                 (an open() may still reach them); removed when it forgets
     <backing>/.kvfs/quarantine/  chunks whose bytes failed their checksum
     <backing>/.kvfs/lock         held by the daemon that serves this backing directory
 """
@@ -14,6 +16,7 @@ import re
 
 PRIVATE_DIR = b".kvfs"
 TMP_DIR = PRIVATE_DIR + b"/tmp"
+UNLINKED_DIR = PRIVATE_DIR + b"/unlinked"
 QUARANTINE_DIR = PRIVATE_DIR + b"/quarantine"
 LOCK_FILE = PRIVATE_DIR + b"/lock"
 
@@ -32,3 +35,7 @@ def is_engine_temp(name: bytes) -> bool:
 def is_reserved(parent_is_root: bool, name: bytes) -> bool:
     """Whether a visible name would collide with the backing directory's private area."""
     return parent_is_root and name == PRIVATE_DIR
+
+
+def unlinked_path(ino: int) -> bytes:
+    return b"%s/%d" % (UNLINKED_DIR, ino)

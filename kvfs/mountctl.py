@@ -170,14 +170,14 @@ def unmount(mountpoint: Path, timeout: float = 60.0) -> None:
         raise MountError(f"cannot unmount {mnt}: {detail}")
     deadline = time.monotonic() + timeout
     while pid and time.monotonic() < deadline:
-        if not _running(pid):
+        if not running(pid):
             return
         time.sleep(0.02)
     if pid:
         raise MountError(f"unmounted {mnt}, but daemon {pid} is still running")
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited

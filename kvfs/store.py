@@ -53,10 +53,11 @@ class BackingStore:
     def prepare(self) -> int:
         """Create the private area, take the lock, and remove orphan temp files.
 
-        Returns how many orphans were removed from ``.kvfs/tmp``.
+        Returns how many orphans were removed from ``.kvfs/tmp`` and ``.kvfs/unlinked`` (the
+        latter only mattered to the previous daemon's kernel references).
         """
-        os.makedirs(self.abs(layout.TMP_DIR), exist_ok=True)
-        os.makedirs(self.abs(layout.QUARANTINE_DIR), exist_ok=True)
+        for private in (layout.TMP_DIR, layout.UNLINKED_DIR, layout.QUARANTINE_DIR):
+            os.makedirs(self.abs(private), exist_ok=True)
         fd = os.open(self.abs(layout.LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -71,10 +72,11 @@ class BackingStore:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
         removed = 0
-        with os.scandir(self.abs(layout.TMP_DIR)) as entries:
-            for entry in entries:
-                os.unlink(entry.path)
-                removed += 1
+        for private in (layout.TMP_DIR, layout.UNLINKED_DIR):
+            with os.scandir(self.abs(private)) as entries:
+                for entry in entries:
+                    os.unlink(entry.path)
+                    removed += 1
         return removed
 
     def close(self) -> None:

@@ -87,6 +87,7 @@ class KvfsOperations(pyfuse3.Operations):
         self._handles: dict[int, Handle] = {}
         self._dirs: dict[int, list[tuple[bytes, Node]]] = {}
         self._next_fh = 1
+        index.on_release = self._released
         self.deadline_expiries = 0
         self.checksum_failures = 0
         # Created in run(), once trio is running.
@@ -282,8 +283,8 @@ class KvfsOperations(pyfuse3.Operations):
                 if node.is_dir:
                     raise FUSEError(errno.EISDIR)
                 if node.on_backing:
-                    await self.io.read(self.store.unlink, self._attached(node))
-                self.index.detach(node)  # open handles keep their bytes (fd or buffer)
+                    await self._retire(node, self._attached(node), replaced=False)
+                self.index.detach(node)
 
         await self._bounded(op)
 
@@ -322,17 +323,45 @@ class KvfsOperations(pyfuse3.Operations):
                 if node.is_dir and Index.is_ancestor(node, new_parent):
                     raise FUSEError(errno.EINVAL)
                 new_rel = os.path.join(self._attached(new_parent), name_new)
+                if target is not None and not target.is_dir and target.on_backing:
+                    # If the node is not published yet, the old bytes must go all the same:
+                    # the name now means the new file.
+                    await self._retire(target, new_rel, replaced=node.on_backing)
                 if node.on_backing:
                     await self.io.read(self.store.rename, self._attached(node), new_rel)
-                elif target is not None and target.on_backing:
-                    # The name now means a file that is not published yet: drop the old bytes.
-                    remove = self.store.rmdir if target.is_dir else self.store.unlink
-                    await self.io.read(remove, new_rel)
                 if target is not None:
-                    self.index.detach(target)  # open readers keep the old content
+                    self.index.detach(target)
                 self.index.move(node, new_parent, name_new)
 
         await self._bounded(op)
+
+    async def _retire(self, node: Node, rel: bytes, replaced: bool) -> None:
+        """Take a published file's bytes out of the visible tree (the caller holds the lock).
+
+        While the kernel may still open the node (it resolved the name before the unlink or
+        rename: lookup count) or a handle may still read it, the bytes move to .kvfs/unlinked
+        and go when the kernel forgets the node. Otherwise they are removed now, or, when
+        ``replaced``, by the rename that puts another file over them.
+        """
+        if node.lookups or node.open_count:
+            await self.io.read(self.store.rename, rel, layout.unlinked_path(node.ino))
+            return
+        if not replaced:
+            await self.io.read(self.store.unlink, rel)
+        node.on_backing = False
+
+    def _released(self, node: Node) -> None:
+        """The kernel and every handle let go of a node that left the tree: free its bytes."""
+        if node.on_backing and not node.is_dir:
+            self.io.submit(Queue.WRITE, self.store.discard, layout.unlinked_path(node.ino))
+
+    def _backing_rel(self, node: Node) -> bytes:
+        """Where the backing store holds a node's published bytes."""
+        if node.attached:
+            return self.index.path(node)
+        if node.on_backing:
+            return layout.unlinked_path(node.ino)
+        raise FUSEError(errno.ENOENT)
 
     async def link(
         self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
@@ -413,7 +442,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def _open_backing(self, node: Node) -> int:
         """Open the backing file of a published node (the exact version the index describes)."""
         async with self._ns:  # no rename may move the name between path and open
-            return await self.io.read(self.store.open_reader, self._attached(node))
+            return await self.io.read(self.store.open_reader, self._backing_rel(node))
 
     async def _open_for_write(self, node: Node, truncate: bool) -> None:
         ws = self._writes.get(node.ino)
@@ -465,6 +494,7 @@ class KvfsOperations(pyfuse3.Operations):
             parent = node.parent
             assert parent is not None
             dest = await self.io.read(self.store.quarantine, rel)
+            node.on_backing = False
             self.index.detach(node)
         log.error(
             "quarantined %s to %s: %s",
@@ -539,7 +569,7 @@ class KvfsOperations(pyfuse3.Operations):
 
             async def op() -> None:
                 async with self._ns:
-                    rel = self._attached(node)
+                    rel = self._backing_rel(node)
                 await self.io.write(self.store.fsync, rel)
 
             await self._bounded(op)

@@ -39,9 +39,9 @@ class Mount:
 
     def stop(self) -> None:
         """Unmount, however the daemon is doing; never leaves a mount behind."""
-        if str(self.path) in mountctl.kvfs_mounts():
-            if kvfs("umount", str(self.path), check=False).returncode != 0:
-                subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False)
+        mounted = str(self.path) in mountctl.kvfs_mounts()
+        if mounted and kvfs("umount", str(self.path), check=False).returncode != 0:
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False)
         if self.pid:
             wait_gone(self.pid)
 
@@ -63,11 +63,7 @@ class Mount:
 def wait_gone(pid: int, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return
-        if state == "Z":
+        if not mountctl.running(pid):
             return
         time.sleep(0.02)
     raise AssertionError(f"process {pid} still running after {timeout}s")

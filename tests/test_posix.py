@@ -52,13 +52,32 @@ def test_o_excl_create_of_an_existing_name_fails(d: Path) -> None:
 
 def test_rename_replaces_atomically_and_readers_keep_the_old_bytes(d: Path) -> None:
     (d / "final").write_bytes(b"old" * 1000)
-    reader = open(d / "final", "rb")
-    (d / "tmp").write_bytes(b"new" * 1000)
-    os.rename(d / "tmp", d / "final")
-    assert (d / "final").read_bytes() == b"new" * 1000
-    assert reader.read() == b"old" * 1000
-    reader.close()
+    with open(d / "final", "rb") as reader:
+        (d / "tmp").write_bytes(b"new" * 1000)
+        os.rename(d / "tmp", d / "final")
+        assert (d / "final").read_bytes() == b"new" * 1000
+        assert reader.read() == b"old" * 1000
     assert sorted(os.listdir(d)) == ["final"]
+
+
+def test_open_through_an_earlier_lookup_of_a_replaced_file_gets_the_old_bytes(
+    kv_mount: Mount, d: Path
+) -> None:
+    """A reader resolved the name just before a writer renamed a new chunk over it (the race of
+    concurrent vLLM instances): its open must still succeed, with the bytes it resolved."""
+    (d / "final").write_bytes(b"old" * 1000)
+    resolved = os.open(d / "final", os.O_PATH)  # a lookup, no FUSE open
+    try:
+        (d / "tmp").write_bytes(b"new" * 1000)
+        os.rename(d / "tmp", d / "final")
+        with open(f"/proc/self/fd/{resolved}", "rb") as late:
+            assert late.read() == b"old" * 1000
+        os.unlink(d / "final")
+        with open(f"/proc/self/fd/{resolved}", "rb") as later:
+            assert later.read() == b"old" * 1000
+    finally:
+        os.close(resolved)
+    assert not (kv_mount.backing / d.name / "final").exists()
 
 
 def test_rename_noreplace_refuses_an_existing_target(d: Path) -> None:

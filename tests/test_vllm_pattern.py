@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import vllm_io
 from tests.conftest import Mount
+from tools import vllm_io
 
 SIZES = [4096, 8192, 64 << 10, 1 << 20, (2 << 20) + 4096, 16 << 20]
 
@@ -51,10 +51,7 @@ def _worker(root: str, seed: int, keys: int, size: int) -> list[str]:
             path = vllm_io.chunk_path(root, key)
             expected = vllm_io.chunk_bytes(key, size)
             if rng.random() < 0.5:
-                try:
-                    vllm_io.store(path, expected)
-                except FileExistsError:  # mkdir -p races are fine
-                    pass
+                vllm_io.store(path, expected)
             elif os.path.exists(path):
                 got = vllm_io.load(path, size)
                 if got != expected:

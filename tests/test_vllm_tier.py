@@ -11,6 +11,7 @@ import pytest
 
 from tests import vllm_tier
 from tests.conftest import Mount
+
 ROW = 256 << 10
 
 

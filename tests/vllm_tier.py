@@ -29,8 +29,9 @@ def minimal_spec(model: str = "kvfs-test/tiny-model") -> Any:
             model=SimpleNamespace(name=model, dtype="bfloat16"),
             cache=SimpleNamespace(tokens_per_hash=16),
             groups=[SimpleNamespace(tokens_per_block=16, layer_names=["layers.0", "layers.1"])],
-            parallel=SimpleNamespace(tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, rank=0,
-                                     is_parallelism_agnostic=True),
+            parallel=SimpleNamespace(
+                tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, rank=0, is_parallelism_agnostic=True
+            ),
             canonical_layout=False,
             kv_cache_layout=None,
             replicated_layout=False,
@@ -51,8 +52,9 @@ class Tier:
     """One FileSystemTierManager plus the scheduler-side polling around it."""
 
     def __init__(self, root: str, region: HostRegion, o_direct: bool | None = None) -> None:
-        self.fs = FileSystemTierManager(minimal_spec(), region.view, "fs", root_dir=root,
-                                        n_read_threads=4, n_write_threads=4)
+        self.fs = FileSystemTierManager(
+            minimal_spec(), region.view, "fs", root_dir=root, n_read_threads=4, n_write_threads=4
+        )
         if o_direct is not None and not o_direct:
             self.fs._use_o_direct = False  # what vLLM does after a failed probe
         self._job = 0
@@ -67,8 +69,13 @@ class Tier:
 
     def _run(self, keys: list[OffloadKey], slots: list[int], promotion: bool) -> JobResult:
         self._job += 1
-        job = TransferJob(job_id=self._job, keys=keys, chunk_ids=np.array(slots),
-                          is_promotion=promotion, req_context=self.ctx)
+        job = TransferJob(
+            job_id=self._job,
+            keys=keys,
+            chunk_ids=np.array(slots),
+            is_promotion=promotion,
+            req_context=self.ctx,
+        )
         (self.fs.submit_load if promotion else self.fs.submit_store)(job)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

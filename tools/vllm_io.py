@@ -1,7 +1,8 @@
 """vLLM 0.33.0's fs-tier I/O pattern, syscall for syscall (DESIGN.md, research/vllm-tiering.md §3).
 
-Written out here so the tests can drive it with and without O_DIRECT, from many threads and
-processes, and check every byte; test_vllm_tier.py drives vLLM's own code as well.
+Written out here so the tests, the demo and the benchmark can drive it with and without
+O_DIRECT, from many threads and processes, and check every byte; tests/test_vllm_tier.py drives
+vLLM's own code as well.
 """
 
 from __future__ import annotations
@@ -67,10 +68,13 @@ def probe_o_direct(directory: str) -> bool:
     return True
 
 
-def chunk_path(root: str, key: int, group: int = 0) -> str:
-    """A path shaped like vLLM's: <root>/<model>_<digest>_r0/<hex[:3]>/<hex[3:5]>_g<g>/<hex>.bin."""
+NAMESPACE = "test-model_0123456789ab"  # <model>_<12 hex digest>, as vLLM names a run config
+
+
+def chunk_path(root: str, key: int, group: int = 0, namespace: str = NAMESPACE) -> str:
+    """A path shaped like vLLM's: <root>/<ns>_r0/<hex[:3]>/<hex[3:5]>_g<group>/<hex>.bin."""
     hex_ = f"{key:064x}"
-    return f"{root}/test-model_0123456789ab_r0/{hex_[:3]}/{hex_[3:5]}_g{group}/{hex_}.bin"
+    return f"{root}/{namespace}_r0/{hex_[:3]}/{hex_[3:5]}_g{group}/{hex_}.bin"
 
 
 def chunk_bytes(key: int, size: int) -> bytes:

@@ -1,0 +1,47 @@
+# Two commands: `make run` (mount a kvfs at /mnt/kv-cache and show it working) and `make test`.
+# Both install what is missing first: Debian packages, then a .venv with the project.
+
+VENV        := .venv
+PY          := $(VENV)/bin/python
+MOUNTPOINT  ?= /mnt/kv-cache
+APT_PKGS    := fuse3 libfuse3-dev pkg-config attr
+VLLM        := vllm==0.33.0
+TORCH       := torch==2.13.0
+
+.PHONY: run test lint unit apt clean
+
+run: apt $(VENV)/.mount
+	$(PY) -m tools.demo $(MOUNTPOINT)
+
+test: apt $(VENV)/.test lint
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check kvfs mount tests tools
+	$(VENV)/bin/ruff format --check kvfs mount tests tools
+	$(VENV)/bin/mypy
+
+apt:
+	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+
+$(VENV)/.mount: pyproject.toml | $(VENV)/bin/python
+	$(VENV)/bin/pip install -q -e '.[mount]'
+	touch $@
+
+# vLLM's own fs-tier code for the interop tests: its import-time packages, then vLLM itself
+# without its dependency list (which would pull a CUDA build of torch).
+$(VENV)/.test: pyproject.toml requirements/vllm.txt $(VENV)/.mount
+	$(VENV)/bin/pip install -q -e '.[mount,dev]' $(TORCH) -r requirements/vllm.txt
+	$(VENV)/bin/pip install -q --no-deps $(VLLM)
+	touch $@
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,139 @@
+"""`kvfs mount` / `kvfs umount`: detaching, and a clear one-line error with nothing mounted."""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvfs import mountctl
+from tests.conftest import Mount, kvfs, make_mount
+
+
+def assert_refused(result: subprocess.CompletedProcess[str], words: str, mnt: Path) -> None:
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvfs: ") and words in lines[0], lines
+    assert str(mnt) not in mountctl.kvfs_mounts()
+
+
+def test_mount_returns_once_the_mount_answers_and_umount_waits_for_the_daemon(
+    tmp_path: Path,
+) -> None:
+    mount = make_mount(tmp_path)
+    result = kvfs("mount", str(mount.path), "--backing", str(mount.backing))
+    try:
+        assert f"mounted {mount.path}" in result.stdout
+        (mount.path / "f").write_bytes(b"at once")  # usable on the very next line
+        mount.pid = int(os.getxattr(mount.path, "user.kvfs.pid"))
+        kvfs("umount", str(mount.path))
+        assert not mountctl.running(mount.pid)
+        assert (mount.backing / "f").read_bytes() == b"at once"
+    finally:
+        mount.stop()
+
+
+def test_refuses_a_missing_mountpoint(tmp_path: Path) -> None:
+    mnt = tmp_path / "nope"
+    assert_refused(
+        kvfs("mount", str(mnt), "--backing", str(tmp_path / "b"), check=False),
+        "does not exist",
+        mnt,
+    )
+
+
+def test_refuses_a_non_empty_mountpoint(tmp_path: Path) -> None:
+    mount = make_mount(tmp_path)
+    (mount.path / "something").write_text("x")
+    assert_refused(
+        kvfs("mount", str(mount.path), "--backing", str(mount.backing), check=False),
+        "not empty",
+        mount.path,
+    )
+
+
+def test_refuses_an_already_mounted_mountpoint_and_a_busy_backing_dir(
+    kv_mount: Mount, tmp_path: Path
+) -> None:
+    result = kvfs("mount", str(kv_mount.path), "--backing", str(tmp_path), check=False)
+    assert result.returncode == 1 and "already mounted" in result.stderr
+    other = tmp_path / "other"
+    other.mkdir()
+    result = kvfs("mount", str(other), "--backing", str(kv_mount.backing), check=False)
+    assert_refused(result, "served by another kvfs daemon", other)
+    assert (kv_mount.path / "still-serving").write_bytes(b"ok") == 2
+
+
+def test_refuses_an_unwritable_backing_dir(tmp_path: Path) -> None:
+    mount = make_mount(tmp_path)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount.backing)], check=True
+    )
+    try:
+        result = kvfs("mount", str(mount.path), "--backing", str(mount.backing), check=False)
+        assert_refused(result, "not writable", mount.path)
+    finally:
+        subprocess.run(["umount", str(mount.backing)], check=True)
+
+
+def test_refuses_backing_inside_the_mountpoint(tmp_path: Path) -> None:
+    mount = make_mount(tmp_path)
+    result = kvfs("mount", str(mount.path), "--backing", str(mount.path / "b"), check=False)
+    assert_refused(result, "must not contain", mount.path)
+
+
+def _in_private_mount_namespace(
+    hide: str, tmp_path: Path, mnt: Path
+) -> subprocess.CompletedProcess[str]:
+    """Run `kvfs mount` where ``hide`` is replaced by an empty regular file."""
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    script = (
+        f"mount --bind {empty} {hide} && exec {sys.executable} -m kvfs.cli mount {mnt} "
+        f"--backing {tmp_path / 'backing'}"
+    )
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_refuses_without_dev_fuse(tmp_path: Path) -> None:
+    mount = make_mount(tmp_path)
+    assert_refused(
+        _in_private_mount_namespace("/dev/fuse", tmp_path, mount.path), "no /dev/fuse", mount.path
+    )
+
+
+def test_refuses_without_libfuse(tmp_path: Path) -> None:
+    mount = make_mount(tmp_path)
+    name = ctypes.util.find_library("fuse3")
+    assert name, "libfuse3 must be installed for this test"
+    libs = [
+        Path(d) / name
+        for d in (
+            "/lib/x86_64-linux-gnu",
+            "/usr/lib/x86_64-linux-gnu",
+            "/lib/aarch64-linux-gnu",
+            "/usr/lib/aarch64-linux-gnu",
+        )
+    ]
+    lib = next((p.resolve() for p in libs if p.exists()), None)
+    if lib is None:
+        pytest.skip(f"cannot find the file behind {name}")
+    assert_refused(
+        _in_private_mount_namespace(str(lib), tmp_path, mount.path),
+        "libfuse3 is missing",
+        mount.path,
+    )
+
+
+def test_umount_of_something_else_is_refused(tmp_path: Path) -> None:
+    result = kvfs("umount", str(tmp_path), check=False)
+    assert result.returncode == 1 and "is not a kvfs mount" in result.stderr

@@ -1,0 +1,148 @@
+"""The core pieces on their own: I/O queues, sizes, names, index, backing store."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvfs import checksum, layout
+from kvfs.config import ConfigError, MountConfig, parse_size
+from kvfs.index import Index
+from kvfs.io_queues import DualQueuePool, Queue
+from kvfs.store import BackingBusy, BackingStore
+
+
+def _completion_order(first: tuple[Queue, int], then: tuple[Queue, int]) -> list[str]:
+    """Queue a backlog of one kind, then jobs of another, on 1 read + 1 write thread."""
+    pool = DualQueuePool(read_threads=1, write_threads=1)
+    order: list[str] = []
+    lock = threading.Lock()
+    done = threading.Semaphore(0)
+
+    def job(name: str) -> None:
+        time.sleep(0.01)  # long enough that the queue policy, not thread wake-ups, decides
+        with lock:
+            order.append(name)
+
+    try:
+        for queue, count in (first, then):
+            for i in range(count):
+                name = f"{queue.value}{i}"
+                pool.submit(queue, lambda name=name: job(name), lambda r, e: done.release())
+        for _ in range(first[1] + then[1]):
+            assert done.acquire(timeout=10)
+    finally:
+        pool.shutdown()
+    return order
+
+
+def test_a_read_overtakes_a_backlog_of_writes() -> None:
+    order = _completion_order((Queue.WRITE, 20), (Queue.READ, 1))
+    assert order.index("read0") <= 3  # FIFO would put it last, at 20
+
+
+def test_writes_progress_under_a_flood_of_reads() -> None:
+    order = _completion_order((Queue.READ, 20), (Queue.WRITE, 5))
+    assert max(order.index(f"write{i}") for i in range(5)) <= 12  # FIFO: 20 to 24
+
+
+def test_pool_hands_results_and_errors_to_the_callback() -> None:
+    pool = DualQueuePool(1, 1)
+    got: list[tuple[object, object]] = []
+    finished = threading.Event()
+
+    def record(result: object, error: object) -> None:
+        got.append((result, error))
+        if len(got) == 2:
+            finished.set()
+
+    try:
+        pool.submit(Queue.READ, lambda: 42, record)
+        pool.submit(Queue.WRITE, lambda: 1 / 0, record)
+        assert finished.wait(10)
+    finally:
+        pool.shutdown()
+    assert (42, None) in got
+    assert any(isinstance(error, ZeroDivisionError) for _, error in got)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("4096", 4096), ("512K", 512 << 10), ("1.5G", 3 << 29), ("2TiB", 2 << 40)]
+)
+def test_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+def test_config_errors_name_the_key() -> None:
+    with pytest.raises(ConfigError, match="--write-buffer"):
+        parse_size("lots", "--write-buffer")
+    with pytest.raises(ConfigError, match="io_timeout"):
+        MountConfig(Path("/m"), Path("/b"), io_timeout=-1)
+    with pytest.raises(ConfigError, match="read_threads"):
+        MountConfig(Path("/m"), Path("/b"), read_threads=0)
+
+
+def test_engine_temp_names() -> None:
+    assert layout.is_engine_temp(b"ab" * 32 + b".bin_123456789.tmp")
+    assert layout.is_engine_temp(b".o_direct_probe_42.tmp")
+    assert not layout.is_engine_temp(b"ab" * 32 + b".bin")
+    assert not layout.is_engine_temp(b"notes.tmp")
+
+
+def test_index_keeps_totals_and_paths() -> None:
+    index = Index()
+    d = index.new_node(b"d", stat.S_IFDIR | 0o755)
+    index.attach(index.root, b"d", d)
+    f = index.new_node(b"f", stat.S_IFREG | 0o644)
+    index.attach(d, b"f", f)
+    index.set_published(f, 8192, 16)
+    assert (index.files, index.dirs, index.bytes, index.blocks) == (1, 1, 8192, 16)
+    assert Index.path(f) == b"d/f"
+    index.move(f, index.root, b"g")
+    assert Index.path(f) == b"g" and index.bytes == 8192
+    f.lookups = 1
+    index.detach(f)
+    assert index.files == 0 and index.bytes == 0 and index.get(f.ino) is f
+    index.forget(f.ino, 1)
+    assert index.get(f.ino) is None
+
+
+def test_store_scan_rebuilds_the_index_and_drops_orphans(tmp_path: Path) -> None:
+    store = BackingStore(os.fsencode(tmp_path))
+    store.prepare()
+    pub = store.write_tmp(b"chunk" * 1000, 0o644, os.geteuid(), os.getegid(), (0, 0), False)
+    (tmp_path / "ns" / "abc").mkdir(parents=True)
+    store.rename(pub.tmp, b"ns/abc/x.bin")
+    (tmp_path / "ns" / "abc" / ("ab" * 32 + ".bin_77.tmp")).write_bytes(b"partial")
+    (tmp_path / ".kvfs" / "tmp" / "left-by-a-crash").write_bytes(b"partial")
+    store.close()
+
+    again = BackingStore(os.fsencode(tmp_path))
+    assert again.prepare() == 1
+    index = Index()
+    assert again.scan(index) == 1
+    assert (index.files, index.bytes) == (1, 5000)
+    node = index.child(index.child(index.child(index.root, b"ns"), b"abc"), b"x.bin")
+    assert node is not None and node.checksum == pub.checksum == checksum.checksum(b"chunk" * 1000)
+    with pytest.raises(BackingBusy):
+        BackingStore(os.fsencode(tmp_path)).prepare()
+    again.close()
+
+
+def test_read_verified_rejects_flipped_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"good bytes")
+    good = checksum.checksum(b"good bytes")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert BackingStore.read_verified(fd, good)[0] == b"good bytes"
+        os.pwrite(os.open(path, os.O_WRONLY), b"G", 0)
+        with pytest.raises(checksum.ChecksumMismatch):
+            BackingStore.read_verified(fd, good)
+    finally:
+        os.close(fd)

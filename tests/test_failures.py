@@ -1,0 +1,112 @@
+"""Nothing lost, nothing wrong: a killed daemon, a full backing store."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import os
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Mount, make_mount
+from tools import vllm_io
+
+CHUNK = 512 << 10
+
+
+def _storm(mountpoint: str, log_path: str, first_key: int) -> None:
+    """Store chunks from 8 threads until the mount dies; log every key whose store completed.
+
+    Paths go through a file descriptor of the mount's root, so once the daemon is killed they
+    fail (ENOTCONN) instead of landing in the directory under the mountpoint.
+    """
+    root_fd = os.open(mountpoint, os.O_PATH | os.O_DIRECTORY)
+    root = f"/proc/self/fd/{root_fd}"
+
+    def one(i: int) -> None:
+        key = first_key + i * 100_000
+        while True:
+            try:
+                vllm_io.store(vllm_io.chunk_path(root, key), vllm_io.chunk_bytes(key, CHUNK))
+            except OSError:
+                return
+            log.write(f"{key}\n")
+            key += 1
+
+    with open(log_path, "a", buffering=1) as log, ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(8)))
+
+
+def test_kill_9_during_a_write_storm_loses_nothing_published(fresh_mount: Mount) -> None:
+    log_path = fresh_mount.path.parent / "stored.log"
+    storm = multiprocessing.get_context("spawn").Process(
+        target=_storm, args=(str(fresh_mount.path), str(log_path), 1)
+    )
+    storm.start()
+    deadline = time.monotonic() + 30
+    while (not log_path.exists() or len(log_path.read_text().split()) < 40) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    fresh_mount.kill()
+    storm.join(60)
+    assert storm.exitcode == 0
+    stored = {int(k) for k in log_path.read_text().split()}
+    assert len(stored) >= 40
+
+    leftovers = list((fresh_mount.backing / ".kvfs" / "tmp").iterdir())
+    fresh_mount.start()  # remount the same backing directory
+    assert not list((fresh_mount.backing / ".kvfs" / "tmp").iterdir())
+    assert not list(fresh_mount.backing.rglob("*.tmp")), "orphan temp files survived"
+    finals = list(fresh_mount.path.rglob("*.bin"))
+    assert {int(p.stem, 16) for p in finals} >= stored  # every published chunk is there
+    for path in finals:  # ... and no final name holds partial or wrong bytes
+        key = int(path.stem, 16)
+        assert vllm_io.load(str(path), CHUNK) == vllm_io.chunk_bytes(key, CHUNK)
+    print(
+        f"{len(stored)} stored, {len(finals)} final, {len(leftovers)} temp files left by the kill"
+    )
+
+
+@pytest.fixture
+def tiny_backing_mount(tmp_path: Path) -> Mount:
+    mount = make_mount(tmp_path)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount.backing)], check=True
+    )
+    try:
+        yield mount.start()
+    finally:
+        mount.stop()
+        subprocess.run(["umount", str(mount.backing)], check=True)
+
+
+def test_a_full_backing_store_gives_enospc_and_leaves_nothing_partial(
+    tiny_backing_mount: Mount,
+) -> None:
+    mount = tiny_backing_mount
+    root = str(mount.path)
+    stored, error = [], None
+    for key in range(100):
+        try:
+            vllm_io.store(vllm_io.chunk_path(root, key), vllm_io.chunk_bytes(key, CHUNK))
+        except OSError as err:
+            error = err
+            break
+        stored.append(key)
+    assert error is not None and error.errno == errno.ENOSPC
+    assert 1 <= len(stored) < 8
+    assert not list(mount.path.rglob("*.tmp")) and not list(mount.backing.rglob("*.tmp"))
+    assert not list((mount.backing / ".kvfs" / "tmp").iterdir())
+    finals = sorted(mount.path.rglob("*.bin"))
+    assert [int(p.stem, 16) for p in finals] == stored
+    for key in stored:
+        assert vllm_io.load(vllm_io.chunk_path(root, key), CHUNK) == vllm_io.chunk_bytes(key, CHUNK)
+    # The daemon keeps serving: make room, and the next store goes through.
+    os.unlink(vllm_io.chunk_path(root, stored[0]))
+    assert vllm_io.store(vllm_io.chunk_path(root, 1000), vllm_io.chunk_bytes(1000, CHUNK))
+    assert vllm_io.load(vllm_io.chunk_path(root, 1000), CHUNK) == vllm_io.chunk_bytes(1000, CHUNK)
