@@ -12,11 +12,11 @@ import os
 import xxhash
 
 XATTR = "user.kvfs.checksum"
-_PREFIX = "xxh3-64:"
+PREFIX = "xxh3-64:"
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
-    return _PREFIX + xxhash.xxh3_64_hexdigest(data)
+    return PREFIX + xxhash.xxh3_64_hexdigest(data)
 
 
 def read_xattr(path_or_fd: bytes | int) -> str | None:
@@ -25,7 +25,7 @@ def read_xattr(path_or_fd: bytes | int) -> str | None:
         value = os.getxattr(path_or_fd, XATTR).decode("ascii", "replace")
     except OSError:
         return None
-    return value if value.startswith(_PREFIX) else None
+    return value if value.startswith(PREFIX) else None
 
 
 def write_xattr(fd: int, value: str) -> bool:

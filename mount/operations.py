@@ -25,6 +25,7 @@ Errno choices:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -41,6 +42,7 @@ import trio
 from pyfuse3 import FUSEError
 
 from kvfs import layout
+from kvfs.buffers import EXTENT, ChunkBuffer, ExtentPool, extents_for
 from kvfs.checksum import ChecksumMismatch
 from kvfs.config import MountConfig
 from kvfs.index import ROOT_INO, Index, Node
@@ -55,12 +57,14 @@ T = TypeVar("T")
 
 @dataclass
 class WriteState:
-    """The buffer of a file that is open for writing (or was, and failed to publish)."""
+    """The buffer of a file that is open for writing (or was, and failed to publish).
 
-    buffer: bytearray = field(default_factory=bytearray)
+    Its extents are taken from the write budget; ``lock`` keeps writes out while it publishes.
+    """
+
+    buffer: ChunkBuffer
     dirty: bool = False
     writers: int = 0
-    reserved: int = 0  # bytes taken from the write budget
     lock: trio.Lock = field(default_factory=trio.Lock)
 
 
@@ -69,7 +73,7 @@ class Handle:
     node: Node
     writable: bool
     fd: int | None = None  # backing file of the version this reader opened
-    content: Future[memoryview] | None = None  # that version, read whole and verified
+    content: Future[ChunkBuffer] | None = None  # that version, read whole and verified
 
 
 class KvfsOperations(pyfuse3.Operations):
@@ -81,7 +85,8 @@ class KvfsOperations(pyfuse3.Operations):
         self.store = store
         self.index = index
         self.pool = DualQueuePool(cfg.read_threads, cfg.write_threads)
-        self.budget = ByteBudget(cfg.write_buffer_bytes)
+        self.budget = ByteBudget(cfg.write_buffer_bytes)  # extents held by write buffers
+        self.extents = ExtentPool(keep_bytes=cfg.write_buffer_bytes)
         self.invalidator = Invalidator()
         self._writes: dict[int, WriteState] = {}
         self._handles: dict[int, Handle] = {}
@@ -176,8 +181,8 @@ class KvfsOperations(pyfuse3.Operations):
         attr.st_uid, attr.st_gid = node.uid, node.gid
         ws = self._writes.get(node.ino)
         if ws is not None and (ws.dirty or not node.on_backing):
-            attr.st_size = len(ws.buffer)
-            attr.st_blocks = math.ceil(len(ws.buffer) / 512)
+            attr.st_size = ws.buffer.size
+            attr.st_blocks = math.ceil(ws.buffer.size / 512)
         else:
             attr.st_size, attr.st_blocks = node.size, node.blocks
         attr.st_blksize = 4096
@@ -420,7 +425,7 @@ class KvfsOperations(pyfuse3.Operations):
         node.atime_ns = node.mtime_ns = node.ctime_ns = time.time_ns()
         self.index.attach(parent, name, node)
         # Visible at once, published on close: until then the name holds an empty buffer.
-        self._writes[node.ino] = WriteState(dirty=True, writers=1)
+        self._writes[node.ino] = WriteState(ChunkBuffer(self.extents), dirty=True, writers=1)
         fh = self._new_fh(Handle(node, writable=True))
         node.lookups += 1
         return pyfuse3.FileInfo(fh=fh, keep_cache=False), self._attrs(node)
@@ -447,12 +452,11 @@ class KvfsOperations(pyfuse3.Operations):
     async def _open_for_write(self, node: Node, truncate: bool) -> None:
         ws = self._writes.get(node.ino)
         if ws is None:
-            ws = self._writes[node.ino] = WriteState()
+            ws = self._writes[node.ino] = WriteState(ChunkBuffer(self.extents))
             if node.on_backing and node.size and not truncate:
                 try:
                     async with ws.lock:  # writes wait until the current bytes are loaded
-                        await self.budget.acquire(node.size)
-                        ws.reserved = node.size
+                        await self.budget.acquire(extents_for(node.size) * EXTENT)
                         ws.buffer = await self._read_backing(node)
                 except BaseException:
                     self._drop_write_state(node)
@@ -463,27 +467,26 @@ class KvfsOperations(pyfuse3.Operations):
                 self._resize(ws, 0)
                 ws.dirty = True
 
-    async def _read_backing(self, node: Node) -> bytearray:
+    async def _read_backing(self, node: Node) -> ChunkBuffer:
         fd = await self._open_backing(node)
         try:
-            data, _ = await self._read_verified(node, fd)
+            return await self._read_verified(node, fd)
         finally:
             os.close(fd)
-        return data
 
-    async def _read_verified(self, node: Node, fd: int) -> tuple[bytearray, str]:
+    async def _read_verified(self, node: Node, fd: int) -> ChunkBuffer:
         try:
-            data, digest = await self.io.read(self.store.read_verified, fd, node.checksum)
+            data = await self.io.read(self.store.read_verified, fd, node.checksum, self.extents)
         except ChecksumMismatch as err:
             await self._quarantine(node, str(err))
             raise
         if node.checksum is None:  # written around the mount: adopt it with this checksum
-            node.checksum = digest
+            node.checksum = data.checksum()
             if node.attached:
                 self.io.submit(
-                    Queue.WRITE, self.store.store_checksum, self.index.path(node), digest
+                    Queue.WRITE, self.store.store_checksum, self.index.path(node), node.checksum
                 )
-        return data, digest
+        return data
 
     async def _quarantine(self, node: Node, why: str) -> None:
         self.checksum_failures += 1
@@ -508,20 +511,19 @@ class KvfsOperations(pyfuse3.Operations):
         handle = self._handle(fh)
         ws = self._writes.get(handle.node.ino)
         if ws is not None and (handle.writable or handle.fd is None):
-            return bytes(ws.buffer[off : off + size])  # copy: the buffer may still change
+            return bytes(ws.buffer.read(off, size))  # a copy: the buffer may still change
         if handle.content is None:
             handle.content = self._detached.start(partial(self._load, handle))
         content = await self._wait(handle.content)
-        return content[off : off + size]
+        return content.read(off, size)
 
-    async def _load(self, handle: Handle) -> memoryview:
+    async def _load(self, handle: Handle) -> ChunkBuffer:
         node = handle.node
         if handle.fd is None:  # opened while the file was being written, published since
             if not node.on_backing:
-                return memoryview(b"")
+                return ChunkBuffer(self.extents)
             handle.fd = await self._open_backing(node)
-        data, _ = await self._read_verified(node, handle.fd)
-        return memoryview(data)
+        return await self._read_verified(node, handle.fd)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self._handle(fh)
@@ -529,28 +531,24 @@ class KvfsOperations(pyfuse3.Operations):
             raise FUSEError(errno.EBADF)
         ws = self._writes[handle.node.ino]
         async with ws.lock:
-            end = off + len(buf)
-            if end > len(ws.buffer):
-                await self._grow(ws, end)
-            ws.buffer[off:end] = buf
+            await self._reserve(ws, off + len(buf))
+            ws.buffer.write(off, buf)
             ws.dirty = True
         handle.node.mtime_ns = handle.node.ctime_ns = time.time_ns()
         return len(buf)
 
-    async def _grow(self, ws: WriteState, size: int) -> None:
-        """Extend a buffer with zeros, waiting for budget (never failing for it)."""
-        extra = size - len(ws.buffer)
-        await self.budget.acquire(extra)
-        ws.reserved += extra
-        ws.buffer.extend(bytes(extra))
+    async def _reserve(self, ws: WriteState, end: int) -> None:
+        """Take budget for the extents a write up to ``end`` adds (waiting, never failing)."""
+        extra = ws.buffer.extra_extents(end)
+        if extra:
+            await self.budget.acquire(extra * EXTENT)
 
     def _resize(self, ws: WriteState, size: int) -> None:
-        """Shrink a buffer, returning the freed bytes to the budget."""
-        freed = len(ws.buffer) - size
-        if freed > 0:
-            del ws.buffer[size:]
-            ws.reserved -= freed
-            self.budget.release(freed)
+        """Truncate a buffer (budget reserved beforehand if it grows; returned if it shrinks)."""
+        before = ws.buffer.capacity
+        ws.buffer.truncate(size)
+        if ws.buffer.capacity < before:
+            self.budget.release(before - ws.buffer.capacity)
 
     async def flush(self, fh: int) -> None:
         # close() of a written file is where its errors (ENOSPC, EIO) can still reach the writer.
@@ -580,6 +578,9 @@ class KvfsOperations(pyfuse3.Operations):
         node.open_count -= 1
         if handle.fd is not None:
             os.close(handle.fd)
+        if handle.content is not None and handle.content.done:
+            with contextlib.suppress(Exception):  # a failed load holds nothing
+                (await handle.content.wait()).release()
         ws = self._writes.get(node.ino)
         if handle.writable and ws is not None:
             ws.writers -= 1
@@ -620,11 +621,16 @@ class KvfsOperations(pyfuse3.Operations):
                 node.checksum = pub.checksum
                 self.index.set_published(node, pub.size, pub.blocks)
                 ws.dirty = False
-        self.invalidator.attributes(node.ino)  # st_blocks changed: `du` must see it
+        if pub.blocks != math.ceil(pub.size / 512):
+            # The kernel may hold the st_blocks we gave while the file was dirty; `du` must see
+            # the real ones. (Usually equal for chunk files: then the kernel keeps its cache and
+            # the engine's next access() of the chunk costs no round trip.)
+            self.invalidator.attributes(node.ino)
 
     def _drop_write_state(self, node: Node) -> None:
         ws = self._writes.pop(node.ino)
-        self.budget.release(ws.reserved)
+        self.budget.release(ws.buffer.capacity)
+        ws.buffer.release()
         if ws.dirty and not node.on_backing and node.attached:
             # Never published: the name must not outlive the bytes it stood for.
             parent = node.parent
@@ -692,10 +698,8 @@ class KvfsOperations(pyfuse3.Operations):
         assert ws is not None
         try:
             async with ws.lock:
-                if size > len(ws.buffer):
-                    await self._grow(ws, size)
-                else:
-                    self._resize(ws, size)
+                await self._reserve(ws, size)
+                self._resize(ws, size)
                 ws.dirty = True
             node.mtime_ns = node.ctime_ns = time.time_ns()
             if standalone:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvfs import checksum, layout
+from kvfs.buffers import EXTENT, ChunkBuffer, ExtentPool
 from kvfs.config import ConfigError, MountConfig, parse_size
 from kvfs.index import Index
 from kvfs.io_queues import DualQueuePool, Queue
@@ -115,7 +116,9 @@ def test_index_keeps_totals_and_paths() -> None:
 def test_store_scan_rebuilds_the_index_and_drops_orphans(tmp_path: Path) -> None:
     store = BackingStore(os.fsencode(tmp_path))
     store.prepare()
-    pub = store.write_tmp(b"chunk" * 1000, 0o644, os.geteuid(), os.getegid(), (0, 0), False)
+    data = ChunkBuffer(ExtentPool(1 << 20))
+    data.write(0, b"chunk" * 1000)
+    pub = store.write_tmp(data, 0o644, os.geteuid(), os.getegid(), (0, 0), False)
     (tmp_path / "ns" / "abc").mkdir(parents=True)
     store.rename(pub.tmp, b"ns/abc/x.bin")
     (tmp_path / "ns" / "abc" / ("ab" * 32 + ".bin_77.tmp")).write_bytes(b"partial")
@@ -138,11 +141,39 @@ def test_read_verified_rejects_flipped_bytes(tmp_path: Path) -> None:
     path = tmp_path / "f"
     path.write_bytes(b"good bytes")
     good = checksum.checksum(b"good bytes")
+    pool = ExtentPool(1 << 20)
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert BackingStore.read_verified(fd, good)[0] == b"good bytes"
+        assert bytes(BackingStore.read_verified(fd, good, pool).read(0, 100)) == b"good bytes"
         os.pwrite(os.open(path, os.O_WRONLY), b"G", 0)
         with pytest.raises(checksum.ChecksumMismatch):
-            BackingStore.read_verified(fd, good)
+            BackingStore.read_verified(fd, good, pool)
     finally:
         os.close(fd)
+
+
+def test_chunk_buffer_writes_holes_truncates_and_reads_across_extents() -> None:
+    pool = ExtentPool(8 << 20)
+    buf = ChunkBuffer(pool)
+    model = bytearray()
+
+    def write(offset: int, data: bytes) -> None:
+        buf.write(offset, data)
+        if offset > len(model):
+            model.extend(bytes(offset - len(model)))
+        model[offset : offset + len(data)] = data
+
+    write(0, os.urandom(EXTENT + 100))  # spans two extents
+    write(3 * EXTENT - 5, b"0123456789")  # a hole, then a write across an extent boundary
+    assert buf.size == len(model) and buf.capacity == 4 * EXTENT
+    assert b"".join(buf.views()) == model
+    assert bytes(buf.read(EXTENT - 10, 20)) == model[EXTENT - 10 : EXTENT + 10]
+    assert isinstance(buf.read(EXTENT, 4096), memoryview)  # inside one extent: no copy
+    assert buf.checksum() == checksum.checksum(bytes(model))
+    buf.truncate(10)
+    del model[10:]
+    buf.write(EXTENT, b"x")  # reused extents must read back as zeros in the hole
+    model.extend(bytes(EXTENT - 10) + b"x")
+    assert b"".join(buf.views()) == model
+    buf.release()
+    assert buf.size == 0 and pool.free_bytes == 4 * EXTENT

@@ -1,0 +1,253 @@
+"""vLLM's fs-tier I/O pattern on the plain backing directory and through a kvfs mount, side by side.
+
+    python -m tools.bench_mount [--json] [--repeats 3] [--total-mib 256] [--base DIR]
+
+For 2 MiB and 16 MiB chunks and 1, 4 and 16 threads it measures, on both targets in the same run:
+  store      GB/s of exists → mkdir -p → O_EXCL temp → one write → close → rename
+  cold_load  GB/s of open → one readv, nothing cached (daemon restarted, page cache dropped)
+  warm_load  GB/s of the same loads again, right after a first read
+and, single-threaded as vLLM's lookup thread, access(F_OK) per second on just-stored keys
+(lookup_hit) and on keys never seen (lookup_miss), the first time each name is asked and again
+(``_repeat``: the kernel then answers from its entry cache). It prints medians over the repeats
+and mount/direct ratios; ``--json`` prints one object whose ``summary`` holds the median ratio
+per measure.
+
+Both targets use O_DIRECT when vLLM's probe passes there, as vLLM would (``--o-direct`` overrides).
+Run as root (it drops the page cache and mounts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tools import vllm_io
+
+KVFS = [sys.executable, "-m", "kvfs.cli"]
+SIZES_MIB = (2, 16)
+THREADS = (1, 4, 16)
+MEASURES = (
+    "store",
+    "cold_load",
+    "warm_load",
+    "lookup_hit",
+    "lookup_miss",
+    "lookup_hit_repeat",
+    "lookup_miss_repeat",
+)
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+class Target:
+    """Where the chunks go: the plain directory, or a kvfs mount over a backing directory."""
+
+    def __init__(self, name: str, root: Path, backing: Path | None = None) -> None:
+        self.name, self.root, self.backing = name, root, backing
+        root.mkdir(parents=True, exist_ok=True)
+        if backing is not None:
+            backing.mkdir(parents=True, exist_ok=True)
+            self.mount()
+
+    def mount(self) -> None:
+        subprocess.run(
+            [*KVFS, "mount", str(self.root), "--backing", str(self.backing)],
+            check=True,
+            capture_output=True,
+        )
+
+    def unmount(self) -> None:
+        if self.backing is not None:
+            subprocess.run([*KVFS, "umount", str(self.root)], check=False, capture_output=True)
+
+    def make_cold(self) -> None:
+        """Nothing of any chunk cached anywhere: restart the daemon, drop the page cache."""
+        if self.backing is not None:
+            self.unmount()
+            drop_caches()
+            self.mount()
+        else:
+            drop_caches()
+
+    def clear(self) -> None:
+        for entry in self.root.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+
+
+def run_threads(count: int, items: list[int], fn: Callable[[int], object]) -> float:
+    """Seconds to apply fn to every item from ``count`` threads."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(count) as pool:
+        for _ in pool.map(fn, items):
+            pass
+    return time.perf_counter() - start
+
+
+def measure_data(
+    target: Target, size: int, threads: int, total: int, o_direct: bool, seed: int
+) -> dict[str, float]:
+    keys = [seed * 1_000_000 + i for i in range(max(threads, total // size))]
+    data = mmap.mmap(-1, size)
+    data.write(random.Random(seed).randbytes(size))  # one payload: we time I/O, not rng
+    root = str(target.root)
+
+    def store(key: int) -> None:
+        vllm_io.store(vllm_io.chunk_path(root, key), data, o_direct)
+
+    def load(key: int) -> None:
+        vllm_io.load(vllm_io.chunk_path(root, key), size, o_direct)
+
+    gb = len(keys) * size / 1e9
+    result = {"store": gb / run_threads(threads, keys, store)}
+    target.make_cold()
+    result["cold_load"] = gb / run_threads(threads, keys, load)
+    result["warm_load"] = gb / run_threads(threads, keys, load)
+    return result
+
+
+def measure_lookups(target: Target, count: int, seed: int) -> dict[str, float]:
+    root = str(target.root)
+    hits = [vllm_io.chunk_path(root, seed * 1_000_000 + i) for i in range(count)]
+    for path in hits:
+        vllm_io.store(path, b"\0" * 4096)
+    misses = [vllm_io.chunk_path(root, seed * 1_000_000 + count + i) for i in range(count)]
+    out = {}
+    for name, paths, expect in (("lookup_hit", hits, True), ("lookup_miss", misses, False)):
+        for suffix in ("", "_repeat"):  # first time for these names, then again
+            start = time.perf_counter()
+            found = sum(os.access(p, os.F_OK) for p in paths)  # vLLM's batch lookup call
+            out[name + suffix] = count / (time.perf_counter() - start)
+            assert found == (count if expect else 0), f"{name}: {found} of {count}"
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--total-mib", type=int, default=256, help="bytes per data measurement")
+    parser.add_argument("--lookups", type=int, default=4000, help="keys per lookup measurement")
+    parser.add_argument("--o-direct", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--base", type=Path, help="working directory (default: a temp dir)")
+    args = parser.parse_args()
+
+    base = Path(tempfile.mkdtemp(prefix="kvfs-bench-", dir=args.base))
+    direct = Target("direct", base / "direct")
+    mount = Target("kvfs", base / "mnt", backing=base / "backing")
+    targets = (direct, mount)
+    rows: list[dict[str, object]] = []
+    try:
+        modes = {}
+        for t in targets:
+            probe = vllm_io.probe_o_direct(str(t.root))
+            modes[t.name] = {"auto": probe, "on": True, "off": False}[args.o_direct]
+        for repeat in range(args.repeats):
+            for size_mib in SIZES_MIB:
+                for threads in THREADS:
+                    for t in targets:
+                        seed = hash((repeat, size_mib, threads)) % 1000
+                        row = measure_data(
+                            t, size_mib << 20, threads, args.total_mib << 20, modes[t.name], seed
+                        )
+                        rows.append(
+                            {
+                                "target": t.name,
+                                "size_mib": size_mib,
+                                "threads": threads,
+                                "repeat": repeat,
+                                **row,
+                            }
+                        )
+                        t.clear()
+                    log(f"repeat {repeat}: {size_mib} MiB x {threads} threads done", args.json)
+            for t in targets:
+                rows.append(
+                    {
+                        "target": t.name,
+                        "repeat": repeat,
+                        **measure_lookups(t, args.lookups, repeat + 1),
+                    }
+                )
+                t.clear()
+    finally:
+        mount.unmount()
+        shutil.rmtree(base, ignore_errors=True)
+
+    report = summarise(rows, modes)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report)
+    return 0
+
+
+def log(message: str, quiet: bool) -> None:
+    print(message, file=sys.stderr if quiet else sys.stdout, flush=True)
+
+
+def summarise(rows: list[dict[str, object]], modes: dict[str, bool]) -> dict[str, object]:
+    """Medians per (measure, size, threads) and target, and the mount/direct ratio of each."""
+    cells: dict[tuple[str, object, object], dict[str, float]] = {}
+    for measure in MEASURES:
+        groups: dict[tuple[object, object, str], list[float]] = {}
+        for row in rows:
+            if measure in row:
+                key = (row.get("size_mib"), row.get("threads"), str(row["target"]))
+                groups.setdefault(key, []).append(float(row[measure]))  # type: ignore[arg-type]
+        for (size, threads, target), values in groups.items():
+            cells.setdefault((measure, size, threads), {})[target] = statistics.median(values)
+    results = []
+    for (measure, size, threads), by_target in cells.items():
+        results.append(
+            {
+                "measure": measure,
+                "size_mib": size,
+                "threads": threads,
+                "direct": by_target["direct"],
+                "kvfs": by_target["kvfs"],
+                "ratio": by_target["kvfs"] / by_target["direct"],
+            }
+        )
+    summary = {
+        m: statistics.median(r["ratio"] for r in results if r["measure"] == m) for m in MEASURES
+    }
+    return {
+        "o_direct": modes,
+        "results": results,
+        "summary": summary,
+        "units": {m: "GB/s" if "load" in m or m == "store" else "lookups/s" for m in MEASURES},
+    }
+
+
+def print_table(report: dict[str, object]) -> None:
+    print(f"O_DIRECT used: {report['o_direct']}")
+    print(f"{'measure':<12}{'chunk':>7}{'threads':>9}{'direct':>12}{'kvfs':>12}{'kvfs/direct':>13}")
+    for r in report["results"]:  # type: ignore[attr-defined]
+        chunk = f"{r['size_mib']} MiB" if r["size_mib"] else "-"
+        threads = r["threads"] or 1
+        print(
+            f"{r['measure']:<12}{chunk:>7}{threads:>9}{r['direct']:>12.3f}{r['kvfs']:>12.3f}"
+            f"{r['ratio']:>13.2f}"
+        )
+    print("median kvfs/direct: " + ", ".join(f"{m} {v:.2f}" for m, v in report["summary"].items()))  # type: ignore[attr-defined]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
