@@ -7,11 +7,13 @@ import multiprocessing
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from kvfs.buffers import EXTENT
 from tests.conftest import Mount, make_mount
 from tools import vllm_io
 
@@ -73,7 +75,7 @@ def test_kill_9_during_a_write_storm_loses_nothing_published(fresh_mount: Mount)
 
 
 @pytest.fixture
-def tiny_backing_mount(tmp_path: Path) -> Mount:
+def tiny_backing_mount(tmp_path: Path) -> Iterator[Mount]:
     mount = make_mount(tmp_path)
     subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount.backing)], check=True
@@ -110,3 +112,31 @@ def test_a_full_backing_store_gives_enospc_and_leaves_nothing_partial(
     os.unlink(vllm_io.chunk_path(root, stored[0]))
     assert vllm_io.store(vllm_io.chunk_path(root, 1000), vllm_io.chunk_bytes(1000, CHUNK))
     assert vllm_io.load(vllm_io.chunk_path(root, 1000), CHUNK) == vllm_io.chunk_bytes(1000, CHUNK)
+
+
+@pytest.fixture
+def small_buffer_mount(tmp_path: Path) -> Iterator[Mount]:
+    mount = make_mount(tmp_path, "--write-buffer", "2M")
+    try:
+        yield mount.start()
+    finally:
+        mount.stop()
+
+
+def test_writers_wait_for_the_write_buffer_and_never_fail_for_it(
+    small_buffer_mount: Mount,
+) -> None:
+    """Two open files hold the whole 2 MiB budget; a third writer waits until one closes."""
+    mnt = small_buffer_mount.path
+    with open(mnt / "a", "wb") as first, open(mnt / "b", "wb") as second:
+        first.write(b"a" * EXTENT)
+        first.flush()
+        second.write(b"b" * EXTENT)
+        second.flush()
+        with ThreadPoolExecutor(1) as pool:
+            third = pool.submit((mnt / "c").write_bytes, b"c" * EXTENT)
+            time.sleep(0.5)
+            assert not third.done(), "a writer got memory beyond the budget"
+            first.close()
+            assert third.result(timeout=30) == EXTENT
+    assert [(mnt / n).read_bytes() for n in "abc"] == [n.encode() * EXTENT for n in "abc"]
