@@ -40,16 +40,21 @@ def store(path: str, data: bytes | mmap.mmap, o_direct: bool = False) -> bool:
     return True
 
 
-def load(path: str, size: int, o_direct: bool = False) -> bytes:
-    """open → one readv of the whole chunk; a short read is corruption (vLLM deletes the file)."""
+def load_into(path: str, buf: mmap.mmap, o_direct: bool = False) -> None:
+    """open → one readv of the whole chunk into ``buf`` (vLLM reads into its host region);
+    a short read is corruption (vLLM deletes the file)."""
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if o_direct else 0))
     try:
-        buf = aligned(size)
         got = os.readv(fd, [buf])
     finally:
         os.close(fd)
-    if got != size:
-        raise AssertionError(f"short read: {got} of {size} bytes from {path}")
+    if got != len(buf):
+        raise AssertionError(f"short read: {got} of {len(buf)} bytes from {path}")
+
+
+def load(path: str, size: int, o_direct: bool = False) -> bytes:
+    buf = aligned(size)
+    load_into(path, buf, o_direct)
     return bytes(buf)
 
 
