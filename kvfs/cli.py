@@ -8,24 +8,26 @@ from pathlib import Path
 
 from kvfs import __version__, mountctl
 from kvfs.config import ConfigError, MountConfig, default_backing_dir, parse_size
+from kvfs.eviction import POLICIES
 
 
 def _cmd_mount(args: argparse.Namespace) -> int:
     backing = args.backing or default_backing_dir(args.mountpoint)
-    options = [
-        "--write-buffer",
-        str(parse_size(args.write_buffer, "--write-buffer")),
-        "--io-timeout",
-        str(args.io_timeout),
-    ]
-    if args.debug:
-        options.append("--debug")
-    MountConfig(
+    cfg = MountConfig(  # validated here, so a bad option fails before anything starts
         mountpoint=args.mountpoint,
-        backing=backing,  # validate before starting
-        write_buffer_bytes=int(options[1]),
+        backing=backing,
+        write_buffer_bytes=parse_size(args.write_buffer, "--write-buffer"),
         io_timeout=args.io_timeout or None,
+        capacity=args.capacity,
+        eviction=args.eviction,
     )
+    options = [
+        f"--write-buffer={cfg.write_buffer_bytes}",
+        f"--io-timeout={args.io_timeout}",
+        f"--capacity={cfg.capacity}",
+        f"--eviction={cfg.eviction}",
+        *(["--debug"] if args.debug else []),
+    ]
     pid = mountctl.mount(args.mountpoint, backing, options, args.foreground)
     print(f"kvfs: mounted {args.mountpoint.absolute()} (backing {backing.absolute()}, pid {pid})")
     return 0
@@ -72,6 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=MountConfig.io_timeout,
         help="seconds a request may wait on the backing store before EIO "
         "(default %(default)s; 0 waits forever)",
+    )
+    mount.add_argument(
+        "--capacity",
+        default=MountConfig.capacity,
+        help="bytes the tier may hold, with K/M/G/T, or a percentage of the backing "
+        "filesystem (default %(default)s); past it the least valuable chunks are evicted",
+    )
+    mount.add_argument(
+        "--eviction",
+        choices=sorted(POLICIES),
+        default=MountConfig.eviction,
+        help="lru: least recently read first (default); s3fifo: scan-resistant",
     )
     mount.add_argument("--debug", action="store_true", help="log every request")
     mount.set_defaults(run=_cmd_mount)

@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvfs.eviction import POLICIES
+
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
 
@@ -21,6 +23,19 @@ def parse_size(text: str, key: str = "size") -> int:
         raise ConfigError(f"{key}: {text!r} is not a size (bytes, or a number with K/M/G/T)")
     number, unit = match.groups()
     return int(float(number) * _UNITS[unit.upper()])
+
+
+def parse_capacity(text: str, filesystem_bytes: int) -> int:
+    """A size (see parse_size) or a percentage of the backing filesystem, e.g. ``80%``."""
+    if text.strip().endswith("%"):
+        try:
+            percent = float(text.strip()[:-1])
+        except ValueError:
+            percent = -1
+        if not 0 < percent <= 100:
+            raise ConfigError(f"--capacity: {text!r} is not a percentage between 0 and 100")
+        return int(filesystem_bytes * percent / 100)
+    return parse_size(text, "--capacity")
 
 
 def default_backing_dir(mountpoint: Path) -> Path:
@@ -41,6 +56,9 @@ class MountConfig:
     write_threads: int = 4
     # No request waits longer than this on the backing store (None: wait forever).
     io_timeout: float | None = 30.0
+    # Bytes the tier may hold: a size, or a percentage of the backing filesystem.
+    capacity: str = "90%"
+    eviction: str = "lru"
     # How long the kernel may cache names, misses and attributes. Safe to make long: every
     # change goes through the daemon, which invalidates what it changes behind the kernel.
     cache_timeout: float = 3600.0
@@ -55,3 +73,6 @@ class MountConfig:
             raise ConfigError("io_timeout: must be a positive number of seconds")
         if self.cache_timeout < 0:
             raise ConfigError("cache_timeout: must be zero or more seconds")
+        parse_capacity(self.capacity, 1 << 40)  # the syntax; the daemon resolves percentages
+        if self.eviction not in POLICIES:
+            raise ConfigError(f"eviction: {self.eviction!r} is not one of {', '.join(POLICIES)}")

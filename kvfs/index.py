@@ -14,6 +14,8 @@ from __future__ import annotations
 import stat
 from collections.abc import Callable, Iterator
 
+from kvfs.eviction import LRU, EvictionPolicy
+
 ROOT_INO = 1
 
 
@@ -27,7 +29,9 @@ class Node:
         "children",
         "ctime_ns",
         "gid",
+        "hits",
         "ino",
+        "last_read_ns",
         "lookups",
         "mode",
         "mtime_ns",
@@ -35,6 +39,7 @@ class Node:
         "on_backing",
         "open_count",
         "parent",
+        "pinned",
         "size",
         "uid",
     )
@@ -50,6 +55,9 @@ class Node:
         self.blocks = 0  # 512-byte units, as the backing filesystem reports them
         self.atime_ns = self.mtime_ns = self.ctime_ns = 0
         self.checksum: str | None = None
+        self.last_read_ns = 0  # persisted with the file, so recency survives a restart
+        self.hits = 0
+        self.pinned = False  # exempt from eviction (on a directory: everything below it)
         # Whether the backing store holds this node's bytes: at its path while it is in the tree,
         # in .kvfs/unlinked/<ino> once it left the tree but the kernel may still open it.
         self.on_backing = False
@@ -72,7 +80,9 @@ class Node:
 class Index:
     """The tree of nodes plus the inode table. Single-threaded: the daemon's event loop owns it."""
 
-    def __init__(self, root_mode: int = stat.S_IFDIR | 0o755) -> None:
+    def __init__(
+        self, root_mode: int = stat.S_IFDIR | 0o755, policy: EvictionPolicy | None = None
+    ) -> None:
         self.root = Node(ROOT_INO, b"", root_mode)
         self.by_ino: dict[int, Node] = {ROOT_INO: self.root}
         self._next_ino = ROOT_INO + 1
@@ -80,6 +90,8 @@ class Index:
         self.dirs = 0
         # Called with each node that leaves the inode table (the daemon frees its bytes).
         self.on_release: Callable[[Node], None] = lambda node: None
+        # Every file in the tree, in eviction order; kept in step by attach/detach/publish.
+        self.policy = policy or LRU()
         self.bytes = 0  # sum of published file sizes
         self.blocks = 0  # sum of published st_blocks
 
@@ -97,7 +109,8 @@ class Index:
         assert parent.children is not None
         return parent.children.get(name)
 
-    def attach(self, parent: Node, name: bytes, node: Node) -> None:
+    def attach(self, parent: Node, name: bytes, node: Node, track: bool = True) -> None:
+        """Put a node in the tree; ``track=False`` leaves it to ``restore_policy`` (start-up)."""
         assert parent.children is not None and name not in parent.children
         node.parent, node.name = parent, name
         parent.children[name] = node
@@ -106,6 +119,8 @@ class Index:
         else:
             self.files += 1
             self._count(node, +1)
+            if track:
+                self.policy.insert(node.ino, node.size)
 
     def detach(self, node: Node) -> None:
         """Take a node out of the tree; it lives on while the kernel or a handle holds it."""
@@ -118,6 +133,7 @@ class Index:
         else:
             self.files -= 1
             self._count(node, -1)
+            self.policy.remove(node.ino)
         self.release_if_unused(node)
 
     def move(self, node: Node, new_parent: Node, new_name: bytes) -> None:
@@ -135,6 +151,28 @@ class Index:
         node.size, node.blocks = size, blocks
         if node.attached and not node.is_dir:
             self._count(node, +1)
+            self.policy.insert(node.ino, size)
+
+    def restore_policy(self) -> None:
+        """Order every file for eviction by its persisted last read (start-up)."""
+        for node in sorted(self.walk_files(), key=lambda n: (n.last_read_ns, n.ino)):
+            self.policy.restore(node.ino, node.size, node.hits)
+
+    def read(self, node: Node, now_ns: int) -> None:
+        """A reader loaded the node's bytes: it counts as a hit and as recent."""
+        node.hits += 1
+        node.last_read_ns = now_ns
+        self.policy.access(node.ino)
+
+    @staticmethod
+    def pinned(node: Node) -> bool:
+        """Whether the node or a directory above it is pinned."""
+        current: Node | None = node
+        while current is not None:
+            if current.pinned:
+                return True
+            current = current.parent
+        return False
 
     def forget(self, ino: int, count: int) -> None:
         node = self.by_ino.get(ino)

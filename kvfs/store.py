@@ -26,6 +26,25 @@ from kvfs.index import Index, Node
 
 log = logging.getLogger(__name__)
 
+# Per-file metadata kept with the backing file, so a restart loses nothing.
+RECENCY_XATTR = "user.kvfs.recency"  # b"<last read, ns since the epoch> <hits>"
+PINNED_XATTR = "user.kvfs.pinned"  # present (b"1") on pinned files and directories
+
+
+def _read_recency(path: bytes, node: Node) -> None:
+    try:
+        last_read, hits = os.getxattr(path, RECENCY_XATTR).split()
+        node.last_read_ns, node.hits = int(last_read), int(hits)
+    except (OSError, ValueError):
+        node.last_read_ns = node.mtime_ns  # never read through kvfs: as recent as its write
+
+
+def _read_pinned(path: bytes) -> bool:
+    try:
+        return os.getxattr(path, PINNED_XATTR) == b"1"
+    except OSError:
+        return False
+
 
 class BackingBusy(RuntimeError):
     """Another daemon already serves this backing directory."""
@@ -145,9 +164,12 @@ class BackingStore:
                     if node.children is None:
                         node.size, node.blocks = est.st_size, est.st_blocks
                         node.checksum = checksum.read_xattr(entry.path)
-                    index.attach(parent, name, node)
+                        _read_recency(entry.path, node)
+                    node.pinned = _read_pinned(entry.path)
+                    index.attach(parent, name, node, track=False)
                     if node.children is not None:
                         stack.append((node, entry.path))
+        index.restore_policy()
         return removed
 
     # -- data -------------------------------------------------------------------------------
@@ -240,6 +262,22 @@ class BackingStore:
             checksum.write_xattr(fd, digest)
         finally:
             os.close(fd)
+
+    def save_recency(self, fd: int, last_read_ns: int, hits: int) -> None:
+        """Persist a read (``fd`` is this call's own: it is closed here)."""
+        try:
+            if self.xattrs:
+                os.setxattr(fd, RECENCY_XATTR, b"%d %d" % (last_read_ns, hits))
+        finally:
+            os.close(fd)
+
+    def save_pinned(self, rel: bytes, pinned: bool) -> None:
+        path = self.abs(rel)
+        if pinned:
+            os.setxattr(path, PINNED_XATTR, b"1")
+        else:
+            with contextlib.suppress(OSError):
+                os.removexattr(path, PINNED_XATTR)
 
     def fsync(self, rel: bytes) -> None:
         fd = os.open(self.abs(rel), os.O_RDONLY | os.O_CLOEXEC)

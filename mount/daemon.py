@@ -12,7 +12,8 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from kvfs.config import ConfigError, MountConfig
+from kvfs.config import ConfigError, MountConfig, parse_capacity
+from kvfs.eviction import make_policy
 from kvfs.index import Index
 from kvfs.mount.operations import KvfsOperations
 from kvfs.mountctl import READY
@@ -68,7 +69,7 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
     store = BackingStore(os.fsencode(cfg.backing))
     try:
         orphans = store.prepare()
-        index = Index()
+        index = Index(policy=make_policy(cfg.eviction))
         engine_temps = store.scan(index)
     except (BackingBusy, OSError) as err:
         tell(f"error: {err}")
@@ -81,7 +82,13 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
         index.dirs,
         orphans + engine_temps,
     )
-    ops = KvfsOperations(cfg, store, index)
+    try:
+        disk = store.statvfs()
+        capacity = parse_capacity(cfg.capacity, disk.f_blocks * disk.f_frsize)
+    except ConfigError as err:
+        tell(f"error: {err}")
+        return 1
+    ops = KvfsOperations(cfg, store, index, capacity)
     options = set(pyfuse3.default_options) | {
         "fsname=kvfs",
         "subtype=kvfs",
@@ -97,7 +104,15 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
         ops.close()
         return 1
     _raise_read_ahead(mountpoint)
-    log.info("mounted %s (backing %s, pid %d)", mountpoint, cfg.backing, os.getpid())
+    log.info(
+        "mounted %s (backing %s, capacity %d bytes, %d used, eviction %s, pid %d)",
+        mountpoint,
+        cfg.backing,
+        capacity,
+        index.blocks * 512,
+        cfg.eviction,
+        os.getpid(),
+    )
     tell(READY)
     if ready_fd is not None:
         os.close(ready_fd)
@@ -121,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-buffer", type=int, default=MountConfig.write_buffer_bytes)
     parser.add_argument("--io-timeout", type=float, default=MountConfig.io_timeout)
     parser.add_argument("--cache-timeout", type=float, default=MountConfig.cache_timeout)
+    parser.add_argument("--capacity", default=MountConfig.capacity)
+    parser.add_argument("--eviction", default=MountConfig.eviction)
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -134,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             write_buffer_bytes=args.write_buffer,
             io_timeout=args.io_timeout or None,
             cache_timeout=args.cache_timeout,
+            capacity=args.capacity,
+            eviction=args.eviction,
         )
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

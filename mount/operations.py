@@ -34,6 +34,7 @@ import stat
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from functools import partial
 from typing import TypeVar
 
@@ -42,14 +43,15 @@ import trio
 from pyfuse3 import FUSEError
 
 from kvfs import layout
-from kvfs.buffers import EXTENT, ChunkBuffer, ExtentPool, extents_for
+from kvfs.buffers import ALIGN, EXTENT, ChunkBuffer, ExtentPool, extents_for
 from kvfs.checksum import ChecksumMismatch
 from kvfs.config import MountConfig
 from kvfs.index import ROOT_INO, Index, Node
 from kvfs.io_queues import DualQueuePool, Queue
 from kvfs.mount.bridge import IO, ByteBudget, Detached, Future
+from kvfs.mount.eviction import Evictor
 from kvfs.mount.invalidator import Invalidator
-from kvfs.store import BackingStore, fill_times
+from kvfs.store import BackingStore, Published, fill_times
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,11 +81,12 @@ class Handle:
 class KvfsOperations(pyfuse3.Operations):
     enable_writeback_cache = False
 
-    def __init__(self, cfg: MountConfig, store: BackingStore, index: Index) -> None:
+    def __init__(self, cfg: MountConfig, store: BackingStore, index: Index, capacity: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.store = store
         self.index = index
+        self.evictor = Evictor(index, capacity, self._busy, self._evict)
         self.pool = DualQueuePool(cfg.read_threads, cfg.write_threads)
         self.budget = ByteBudget(cfg.write_buffer_bytes)  # extents held by write buffers
         self.extents = ExtentPool(keep_bytes=cfg.write_buffer_bytes)
@@ -107,6 +110,7 @@ class KvfsOperations(pyfuse3.Operations):
         async with trio.open_nursery() as nursery:
             self._detached = Detached(nursery)
             nursery.start_soon(self._stop_on_signal)
+            nursery.start_soon(self.evictor.sweep_forever)
             await pyfuse3.main(min_tasks=4, max_tasks=128)
             nursery.cancel_scope.cancel()
 
@@ -440,6 +444,16 @@ class KvfsOperations(pyfuse3.Operations):
         handle = Handle(node, writable=False)
         if node.ino not in self._writes and node.on_backing:
             handle.fd = await self._bounded(partial(self._open_backing, node))
+            # A read, for eviction: counted at open, since the kernel's page cache may answer
+            # the reads themselves. Persisted so that the order survives a restart.
+            self.index.read(node, time.time_ns())
+            self.io.submit(
+                Queue.WRITE,
+                self.store.save_recency,
+                os.dup(handle.fd),
+                node.last_read_ns,
+                node.hits,
+            )
         # O_DIRECT needs nothing special: the kernel bypasses its cache for that file descriptor
         # and sends READs of up to 1 MiB, each answered in full from the verified buffer.
         return pyfuse3.FileInfo(fh=self._new_fh(handle), keep_cache=True)
@@ -598,15 +612,11 @@ class KvfsOperations(pyfuse3.Operations):
         async with ws.lock:  # writes to this file wait until it is published
             if not ws.dirty:
                 return
-            pub = await self.io.write(
-                self.store.write_tmp,
-                ws.buffer,
-                node.mode,
-                node.uid,
-                node.gid,
-                (node.atime_ns, node.mtime_ns),
-                durable,
-            )
+            held = await self.evictor.reserve(ws.buffer.size)
+            try:
+                pub = await self._write_tmp(node, ws.buffer, durable)
+            finally:
+                self.evictor.release(held)
             async with self._ns:
                 if not node.attached:  # unlinked while open: the bytes have no name to take
                     await self.io.read(self.store.discard, pub.tmp)
@@ -626,6 +636,34 @@ class KvfsOperations(pyfuse3.Operations):
             # the real ones. (Usually equal for chunk files: then the kernel keeps its cache and
             # the engine's next access() of the chunk costs no round trip.)
             self.invalidator.attributes(node.ino)
+
+    async def _write_tmp(self, node: Node, data: ChunkBuffer, durable: bool) -> Published:
+        args = (data, node.mode, node.uid, node.gid, (node.atime_ns, node.mtime_ns), durable)
+        try:
+            return await self.io.write(self.store.write_tmp, *args)
+        except OSError as err:
+            # The backing filesystem filled up before the capacity did (other data shares it):
+            # make room the same way, once.
+            if err.errno != errno.ENOSPC or not await self.evictor.free_up(data.size, "disk full"):
+                raise
+        return await self.io.write(self.store.write_tmp, *args)
+
+    def _busy(self, node: Node) -> bool:
+        """Files that eviction must leave alone: pinned, being written, or not on disk yet."""
+        return node.ino in self._writes or not node.on_backing or self.index.pinned(node)
+
+    async def _evict(self, node: Node, reason: str) -> bool:
+        """Remove a file to make room. Its readers keep their bytes (see _retire)."""
+        async with self._ns:
+            if not node.attached or self._busy(node):
+                return False
+            parent = node.parent
+            assert parent is not None
+            await self._retire(node, self.index.path(node), replaced=False)
+            self.index.detach(node)
+        log.debug("evicted inode %d (%s)", node.ino, reason)
+        self.invalidator.entry(parent.ino, node.name, node.ino)  # access() must tell the truth
+        return True
 
     def _drop_write_state(self, node: Node) -> None:
         ws = self._writes.pop(node.ino)
@@ -712,10 +750,13 @@ class KvfsOperations(pyfuse3.Operations):
     # -- filesystem -------------------------------------------------------------------------
 
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        """The capacity and what is free within it (never more than the disk has left)."""
         st = await self._bounded(partial(self.io.read, self.store.statvfs))
         out = pyfuse3.StatvfsData()
-        out.f_bsize, out.f_frsize = st.f_bsize, st.f_frsize
-        out.f_blocks, out.f_bfree, out.f_bavail = st.f_blocks, st.f_bfree, st.f_bavail
+        out.f_bsize = out.f_frsize = ALIGN
+        free = min(self.evictor.free, st.f_bavail * st.f_frsize)
+        out.f_blocks = self.evictor.capacity // ALIGN
+        out.f_bfree = out.f_bavail = free // ALIGN
         out.f_files, out.f_ffree, out.f_favail = st.f_files, st.f_ffree, st.f_favail
         out.f_namemax = layout.NAME_MAX
         return out
@@ -732,17 +773,41 @@ class KvfsOperations(pyfuse3.Operations):
     async def setxattr(
         self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
     ) -> None:
-        raise FUSEError(errno.ENOTSUP)
+        """``user.kvfs.pin`` = 1 exempts a file, or everything under a directory, from eviction;
+        0 undoes it. The flag is kept with the backing file, so it survives a restart."""
+        node = self._node(inode)
+        if name not in (b"user.kvfs.pin", b"user.kvfs.pinned"):
+            raise FUSEError(errno.ENOTSUP)
+        if value.strip() not in (b"0", b"1"):
+            raise FUSEError(errno.EINVAL)
+        pinned = value.strip() == b"1"
+
+        async def op() -> None:
+            async with self._ns:
+                await self.io.read(self.store.save_pinned, self._attached(node), pinned)
+                node.pinned = pinned
+
+        await self._bounded(op)
 
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        if name in (b"user.kvfs.pin", b"user.kvfs.pinned"):
+            await self.setxattr(inode, name, b"0", ctx)
+            return
         raise FUSEError(errno.ENOTSUP)
 
     def _xattrs(self, node: Node) -> dict[bytes, bytes]:
-        """Read-only attributes the daemon answers from memory."""
-        values: dict[bytes, bytes] = {}
-        if node.checksum is not None:
-            values[b"user.kvfs.checksum"] = node.checksum.encode()
+        """Attributes the daemon answers from memory (the kernel never caches xattrs)."""
+        values = {b"user.kvfs.pinned": b"1" if node.pinned else b"0"}
+        if not node.is_dir:
+            if node.checksum is not None:
+                values[b"user.kvfs.checksum"] = node.checksum.encode()
+            values[b"user.kvfs.hits"] = b"%d" % node.hits
+            if node.last_read_ns:
+                stamp = datetime.fromtimestamp(node.last_read_ns / 1e9, UTC)
+                values[b"user.kvfs.last_read"] = stamp.isoformat(timespec="milliseconds").encode()
         if node.ino == ROOT_INO:
-            values[b"user.kvfs.pid"] = str(os.getpid()).encode()
+            values[b"user.kvfs.pid"] = b"%d" % os.getpid()
             values[b"user.kvfs.backing"] = self.store.root
+            values[b"user.kvfs.capacity"] = b"%d" % self.evictor.capacity
+            values[b"user.kvfs.used"] = b"%d" % self.evictor.used
         return values

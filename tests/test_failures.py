@@ -76,7 +76,8 @@ def test_kill_9_during_a_write_storm_loses_nothing_published(fresh_mount: Mount)
 
 @pytest.fixture
 def tiny_backing_mount(tmp_path: Path) -> Iterator[Mount]:
-    mount = make_mount(tmp_path)
+    """A 4 MiB tmpfs as backing, with a capacity beyond it: the disk fills up first."""
+    mount = make_mount(tmp_path, "--capacity", "1G")
     subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount.backing)], check=True
     )
@@ -91,6 +92,7 @@ def test_a_full_backing_store_gives_enospc_and_leaves_nothing_partial(
     tiny_backing_mount: Mount,
 ) -> None:
     mount = tiny_backing_mount
+    os.setxattr(mount.path, "user.kvfs.pin", b"1")  # nothing may be evicted to make room
     root = str(mount.path)
     stored, error = [], None
     for key in range(100):

@@ -1,0 +1,122 @@
+"""The capacity bound: room for every publish, and a sweep between the watermarks.
+
+Usage counts the backing blocks of published files (what `du` and `df` report) plus the room
+reserved by publishes in flight. A publish that does not fit evicts, there and then, in the
+policy's order; only when nothing can go (everything pinned or open for writing) does the
+writer get ENOSPC. After each publish, if usage passed the high watermark, a background sweep
+evicts down to the low one, so most publishes never wait for an eviction.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+import trio
+from pyfuse3 import FUSEError
+
+from kvfs.buffers import ALIGN
+from kvfs.index import Index, Node
+
+log = logging.getLogger(__name__)
+
+HIGH_WATERMARK = 0.95
+LOW_WATERMARK = 0.90
+
+
+def on_disk(size: int) -> int:
+    """The room a file of ``size`` bytes takes, in whole 4 KiB blocks."""
+    return -(-size // ALIGN) * ALIGN
+
+
+class Evictor:
+    def __init__(
+        self,
+        index: Index,
+        capacity: int,
+        exempt: Callable[[Node], bool],
+        remove: Callable[[Node, str], Awaitable[bool]],
+    ) -> None:
+        """``exempt``: may this file not go now; ``remove``: delete it (False if it can't)."""
+        self.index = index
+        self.capacity = capacity
+        self._exempt = exempt
+        self._remove = remove
+        self.reserved = 0
+        self.evictions: Counter[str] = Counter()  # by reason: capacity, watermark
+        self._sweep_wanted = trio.Event()
+
+    @property
+    def used(self) -> int:
+        return self.index.blocks * 512
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self.used - self.reserved)
+
+    async def reserve(self, size: int) -> int:
+        """Make room for a publish of ``size`` bytes and hold it; returns what to release."""
+        need = on_disk(size)
+        while self.used + self.reserved + need > self.capacity:
+            if not await self._evict_one("capacity"):
+                raise FUSEError(errno.ENOSPC)
+        self.reserved += need
+        return need
+
+    def release(self, held: int) -> None:
+        self.reserved -= held
+        if self.used > HIGH_WATERMARK * self.capacity:
+            self._sweep_wanted.set()
+
+    async def free_up(self, size: int, reason: str) -> bool:
+        """Evict until ``size`` more bytes are free on disk (the backing store said ENOSPC)."""
+        target = self.used - on_disk(size)
+        while self.used > target:
+            if not await self._evict_one(reason):
+                return False
+        return True
+
+    async def sweep_forever(self) -> None:
+        self._sweep_wanted.set()  # the capacity may have shrunk since the last mount
+        while True:
+            await self._sweep_wanted.wait()
+            self._sweep_wanted = trio.Event()
+            before, count = self.used, 0
+            while self.used > LOW_WATERMARK * self.capacity and await self._evict_one("watermark"):
+                count += 1
+            if count:
+                log.info(
+                    "eviction sweep: %d files, %d bytes; %d of %d bytes used",
+                    count,
+                    before - self.used,
+                    self.used,
+                    self.capacity,
+                )
+
+    async def _evict_one(self, reason: str) -> bool:
+        """Evict the policy's next victim; False if nothing can go."""
+        policy = self.index.policy
+        while True:
+            ino = policy.evict(lambda key: self._exempt_ino(key))
+            if ino is None:
+                return False
+            node = self.index.get(ino)
+            if node is None or not node.attached:
+                continue
+            try:
+                removed = await self._remove(node, reason)
+            except BaseException:
+                policy.insert(ino, node.size)  # still there: keep it evictable
+                raise
+            if removed:
+                self.evictions[reason] += 1
+                return True
+            if node.attached:  # it became busy meanwhile: keep it, try again later
+                policy.insert(ino, node.size)
+            return False
+
+    def _exempt_ino(self, ino: int) -> bool:
+        node = self.index.get(ino)
+        return node is None or self._exempt(node)
