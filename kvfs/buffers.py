@@ -25,6 +25,11 @@ EXTENT = 1 << 20
 ALIGN = 4096  # O_DIRECT needs sizes and offsets in logical blocks; 4 KiB covers every disk
 
 
+def on_disk(size: int) -> int:
+    """The room a file of ``size`` bytes takes, in whole 4 KiB blocks."""
+    return -(-size // ALIGN) * ALIGN
+
+
 def extents_for(size: int) -> int:
     return -(-size // EXTENT)
 

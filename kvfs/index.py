@@ -14,6 +14,7 @@ from __future__ import annotations
 import stat
 from collections.abc import Callable, Iterator
 
+from kvfs.buffers import on_disk
 from kvfs.eviction import LRU, EvictionPolicy
 
 ROOT_INO = 1
@@ -93,7 +94,7 @@ class Index:
         # Every file in the tree, in eviction order; kept in step by attach/detach/publish.
         self.policy = policy or LRU()
         self.bytes = 0  # sum of published file sizes
-        self.blocks = 0  # sum of published st_blocks
+        self.charged = 0  # the same in whole 4 KiB blocks: what counts against the capacity
 
     def new_node(self, name: bytes, mode: int, uid: int = 0, gid: int = 0) -> Node:
         node = Node(self._next_ino, name, mode, uid, gid)
@@ -215,4 +216,4 @@ class Index:
 
     def _count(self, node: Node, sign: int) -> None:
         self.bytes += sign * node.size
-        self.blocks += sign * node.blocks
+        self.charged += sign * on_disk(node.size)

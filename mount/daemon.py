@@ -109,7 +109,7 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
         mountpoint,
         cfg.backing,
         capacity,
-        index.blocks * 512,
+        index.charged,
         cfg.eviction,
         os.getpid(),
     )

@@ -1,10 +1,11 @@
 """The capacity bound: room for every publish, and a sweep between the watermarks.
 
-Usage counts the backing blocks of published files (what `du` and `df` report) plus the room
-reserved by publishes in flight. A publish that does not fit evicts, there and then, in the
-policy's order; only when nothing can go (everything pinned or open for writing) does the
-writer get ENOSPC. After each publish, if usage passed the high watermark, a background sweep
-evicts down to the low one, so most publishes never wait for an eviction.
+Usage counts the published files' sizes in whole 4 KiB blocks (what `du -b` and `df` report;
+xattr blocks are metadata and not charged) plus the room reserved by publishes in flight. A
+publish that does not fit evicts, there and then, in the policy's order; only when nothing can
+go (everything pinned or open for writing) does the writer get ENOSPC. After each publish, if
+usage passed the high watermark, a background sweep evicts down to the low one, so most
+publishes never wait for an eviction.
 """
 
 from __future__ import annotations
@@ -17,18 +18,13 @@ from collections.abc import Awaitable, Callable
 import trio
 from pyfuse3 import FUSEError
 
-from kvfs.buffers import ALIGN
+from kvfs.buffers import on_disk
 from kvfs.index import Index, Node
 
 log = logging.getLogger(__name__)
 
 HIGH_WATERMARK = 0.95
 LOW_WATERMARK = 0.90
-
-
-def on_disk(size: int) -> int:
-    """The room a file of ``size`` bytes takes, in whole 4 KiB blocks."""
-    return -(-size // ALIGN) * ALIGN
 
 
 class Evictor:
@@ -50,7 +46,7 @@ class Evictor:
 
     @property
     def used(self) -> int:
-        return self.index.blocks * 512
+        return self.index.charged
 
     @property
     def free(self) -> int:

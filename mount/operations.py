@@ -629,6 +629,8 @@ class KvfsOperations(pyfuse3.Operations):
                     raise
                 node.on_backing = True
                 node.checksum = pub.checksum
+                if not node.hits:  # never read: as recent as its write (what a restart sees)
+                    node.last_read_ns = node.mtime_ns
                 self.index.set_published(node, pub.size, pub.blocks)
                 ws.dirty = False
         if pub.blocks != math.ceil(pub.size / 512):

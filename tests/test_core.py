@@ -102,7 +102,7 @@ def test_index_keeps_totals_and_paths() -> None:
     f = index.new_node(b"f", stat.S_IFREG | 0o644)
     index.attach(d, b"f", f)
     index.set_published(f, 8192, 16)
-    assert (index.files, index.dirs, index.bytes, index.blocks) == (1, 1, 8192, 16)
+    assert (index.files, index.dirs, index.bytes, index.charged) == (1, 1, 8192, 8192)
     assert Index.path(f) == b"d/f"
     index.move(f, index.root, b"g")
     assert Index.path(f) == b"g" and index.bytes == 8192

@@ -1,0 +1,186 @@
+"""The capacity bound, eviction order, pins, purges and restarts, on real mounts."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import shutil
+import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Mount, make_mount
+from tools import vllm_io
+
+CHUNK = 256 << 10
+CAPACITY = 16 * CHUNK  # 4 MiB: 16 chunks
+
+
+def path(mount: Mount, key: int) -> str:
+    return vllm_io.chunk_path(str(mount.path), key)
+
+
+def used(mount: Mount) -> int:
+    return int(os.getxattr(mount.path, "user.kvfs.used"))
+
+
+def stored(mount: Mount, keys: range) -> list[int]:
+    return [k for k in keys if os.access(path(mount, k), os.F_OK)]
+
+
+@pytest.fixture
+def small_mount(tmp_path: Path) -> Iterator[Mount]:
+    mount = make_mount(tmp_path, "--capacity", str(CAPACITY))
+    try:
+        yield mount.start()
+    finally:
+        mount.stop()
+
+
+def store(mount: Mount, key: int) -> None:
+    vllm_io.store(path(mount, key), vllm_io.chunk_bytes(key, CHUNK), o_direct=True)
+
+
+def read(mount: Mount, key: int) -> None:
+    assert vllm_io.load(path(mount, key), CHUNK, o_direct=True) == vllm_io.chunk_bytes(key, CHUNK)
+
+
+def test_filling_past_capacity_evicts_the_least_recently_read_and_keeps_pinned(
+    small_mount: Mount,
+) -> None:
+    for key in range(10):
+        store(small_mount, key)
+    os.setxattr(path(small_mount, 2), "user.kvfs.pin", b"1")
+    for key in range(10, 40):
+        read(small_mount, 0)  # 0 and 1 stay the most recently read
+        read(small_mount, 1)
+        store(small_mount, key)
+        assert used(small_mount) <= CAPACITY
+        du = subprocess.run(["du", "-sb", str(small_mount.path)], capture_output=True, text=True)
+        assert int(du.stdout.split()[0]) <= CAPACITY
+    survivors = stored(small_mount, range(40))
+    assert {0, 1, 2} <= set(survivors)  # recently read and pinned stay
+    others = [k for k in survivors if k > 2]
+    assert others == list(range(40 - len(others), 40))  # the rest: only the newest survive
+    assert len(survivors) * CHUNK <= CAPACITY
+    assert os.getxattr(path(small_mount, 2), "user.kvfs.pinned") == b"1"
+    # du -sb, df -B1 and the index agree.
+    du = subprocess.run(["du", "-sb", str(small_mount.path)], capture_output=True, text=True)
+    st = os.statvfs(small_mount.path)
+    assert int(du.stdout.split()[0]) == used(small_mount) == len(survivors) * CHUNK
+    assert st.f_blocks * st.f_frsize == CAPACITY
+    assert (st.f_blocks - st.f_bfree) * st.f_frsize == used(small_mount)
+
+
+def test_a_directory_pin_covers_its_subtree_and_unpin_undoes_it(small_mount: Mount) -> None:
+    pinned = vllm_io.chunk_path(str(small_mount.path), 0, namespace="pinned-model_000000000000")
+    vllm_io.store(pinned, vllm_io.chunk_bytes(0, CHUNK))
+    namespace = small_mount.path / "pinned-model_000000000000_r0"
+    os.setxattr(namespace, "user.kvfs.pin", b"1")
+    for key in range(1, 30):
+        store(small_mount, key)
+    assert os.access(pinned, os.F_OK) and used(small_mount) <= CAPACITY
+    os.setxattr(namespace, "user.kvfs.pin", b"0")
+    for key in range(30, 60):
+        store(small_mount, key)
+    assert not os.access(pinned, os.F_OK)
+
+
+def test_everything_pinned_gives_enospc_and_keeps_serving(small_mount: Mount) -> None:
+    os.setxattr(small_mount.path, "user.kvfs.pin", b"1")
+    with pytest.raises(OSError) as err:
+        for key in range(40):
+            store(small_mount, key)
+    assert err.value.errno == 28  # ENOSPC
+    assert len(stored(small_mount, range(40))) == CAPACITY // CHUNK
+    assert not list(small_mount.path.rglob("*.tmp"))
+    os.removexattr(small_mount.path, "user.kvfs.pin")
+    store(small_mount, 100)
+    read(small_mount, 100)
+
+
+def test_a_restart_keeps_accounting_and_recency(small_mount: Mount) -> None:
+    for key in range(12):
+        store(small_mount, key)
+    for key in (5, 3, 7):
+        read(small_mount, key)
+    before = {
+        k: (
+            os.getxattr(path(small_mount, k), "user.kvfs.last_read"),
+            os.getxattr(path(small_mount, k), "user.kvfs.hits"),
+        )
+        for k in range(12)
+    }
+    used_before = used(small_mount)
+    small_mount.restart()
+    assert used(small_mount) == used_before
+    after = {
+        k: (
+            os.getxattr(path(small_mount, k), "user.kvfs.last_read"),
+            os.getxattr(path(small_mount, k), "user.kvfs.hits"),
+        )
+        for k in range(12)
+    }
+    assert after == before
+    # The order survived: filling up now evicts the never-read chunks first, 5/3/7 last.
+    for key in range(100, 110):
+        store(small_mount, key)
+    lru_order = [0, 1, 2, 4, 6, 8, 9, 10, 11, 5, 3, 7]  # never read by write time, then reads
+    survivors = set(stored(small_mount, range(12)))
+    assert survivors and survivors == set(lru_order[len(lru_order) - len(survivors) :])
+
+
+def test_rm_r_of_a_namespace_purges_it_and_frees_its_room_at_once(small_mount: Mount) -> None:
+    for key in range(8):
+        store(small_mount, key)
+    assert used(small_mount) == 8 * CHUNK
+    shutil.rmtree(small_mount.path / f"{vllm_io.NAMESPACE}_r0")
+    assert used(small_mount) == 0
+    assert not list(small_mount.backing.glob(f"{vllm_io.NAMESPACE}_r0"))
+    st = os.statvfs(small_mount.path)
+    assert st.f_bfree * st.f_frsize == CAPACITY
+
+
+def _writer(mountpoint: str, seed: int) -> list[str]:
+    """Store 3/2 of the capacity and read back random keys; return every wrong byte seen."""
+    root = str(mountpoint)
+    rng = random.Random(seed)
+    keys = [seed * 1000 + i for i in range(24)]
+    problems: list[str] = []
+
+    def one(key: int) -> None:
+        vllm_io.store(vllm_io.chunk_path(root, key), vllm_io.chunk_bytes(key, CHUNK))
+        other = rng.choice(keys)
+        try:
+            got = vllm_io.load(vllm_io.chunk_path(root, other), CHUNK)
+        except (FileNotFoundError, AssertionError):  # evicted, or never stored yet: a miss
+            return
+        if got != vllm_io.chunk_bytes(other, CHUNK):
+            problems.append(f"key {other}: wrong bytes")
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(one, keys))
+    return problems
+
+
+def test_two_processes_writing_three_times_the_capacity_read_back_exact(
+    small_mount: Mount,
+) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        results = pool.starmap(_writer, [(str(small_mount.path), seed) for seed in (1, 2)])
+    assert results == [[], []]
+    assert used(small_mount) <= CAPACITY
+    left = [
+        k
+        for s in (1, 2)
+        for k in range(s * 1000, s * 1000 + 24)
+        if os.access(path(small_mount, k), os.F_OK)
+    ]
+    assert left and len(left) * CHUNK <= CAPACITY
+    for key in left:
+        read(small_mount, key)
