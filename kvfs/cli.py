@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
-from kvfs import __version__, mountctl
+from kvfs import __version__, mountctl, verify
 from kvfs.config import ConfigError, MountConfig, default_backing_dir, parse_size
 from kvfs.eviction import POLICIES
 
@@ -37,6 +39,23 @@ def _cmd_umount(args: argparse.Namespace) -> int:
     mountctl.unmount(args.mountpoint)
     print(f"kvfs: unmounted {Path(args.mountpoint).absolute()}")
     return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    report = verify.verify(args.path, progress=not args.json and sys.stderr.isatty())
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report), indent=2))
+    else:
+        print(
+            f"kvfs: verified {report.files} files ({report.bytes} bytes): "
+            f"{len(report.bad)} bad (quarantined), {len(report.errors)} unreadable, "
+            f"{len(report.unverified)} without a checksum"
+        )
+        for path in report.bad:
+            print(f"bad: {path}")
+        for path in report.errors:
+            print(f"unreadable: {path}")
+    return 1 if report.bad or report.errors else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     umount.add_argument("mountpoint", type=Path)
     umount.set_defaults(run=_cmd_umount)
+
+    check = commands.add_parser(
+        "verify",
+        help="check every chunk against its checksum",
+        description="Read every file under PATH (a mount, or a backing directory no daemon "
+        "serves) and check it against its checksum. Bad files are moved to the quarantine "
+        "(.kvfs/quarantine in the backing directory). Exit status 1 if any was bad.",
+    )
+    check.add_argument("path", type=Path)
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.set_defaults(run=_cmd_verify)
     return parser
 
 
@@ -104,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except (mountctl.MountError, ConfigError) as err:
+    except (mountctl.MountError, ConfigError, verify.VerifyError) as err:
         print(f"kvfs: {err}", file=sys.stderr)
         return 1
 

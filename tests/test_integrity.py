@@ -1,0 +1,91 @@
+"""Checksums: a flipped byte is never served; it fails with EIO and is quarantined."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import vllm_tier
+from tests.conftest import Mount, kvfs
+from tools import vllm_io
+
+CHUNK = 256 << 10
+
+
+def flip_byte(path: str, offset: int = 1000) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        (byte,) = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte ^ 0xFF]), offset)
+    finally:
+        os.close(fd)
+
+
+def backing_of(mount: Mount, path: str) -> str:
+    return path.replace(str(mount.path), str(mount.backing), 1)
+
+
+def test_a_flipped_byte_fails_with_eio_is_quarantined_and_then_misses(fresh_mount: Mount) -> None:
+    path = vllm_io.chunk_path(str(fresh_mount.path), 1)
+    vllm_io.store(path, vllm_io.chunk_bytes(1, CHUNK), o_direct=True)
+    flip_byte(backing_of(fresh_mount, path))
+    with pytest.raises(OSError) as err:
+        vllm_io.load(path, CHUNK, o_direct=True)
+    assert err.value.errno == errno.EIO
+    assert not os.access(path, os.F_OK)  # the kernel forgot the name at once
+    assert not os.path.exists(backing_of(fresh_mount, path))
+    quarantined = list((fresh_mount.backing / ".kvfs" / "quarantine").iterdir())
+    assert len(quarantined) == 1
+    assert vllm_io.store(path, vllm_io.chunk_bytes(1, CHUNK))  # stored again: a fresh chunk
+    assert vllm_io.load(path, CHUNK) == vllm_io.chunk_bytes(1, CHUNK)
+
+
+def test_vllm_fs_tier_reports_a_failed_load_and_never_gets_the_bad_bytes(
+    fresh_mount: Mount,
+) -> None:
+    region = vllm_tier.HostRegion(rows=6, row_bytes=CHUNK)
+    rng = np.random.default_rng(3)
+    region.array[:3] = rng.integers(0, 256, size=(3, CHUNK), dtype=np.uint8)
+    tier = vllm_tier.Tier(str(fresh_mount.path), region)
+    try:
+        keys = vllm_tier.new_keys(3)
+        assert tier.store(keys, [0, 1, 2]).success
+        flip_byte(backing_of(fresh_mount, tier.path(keys[1])))
+        region.array[3:] = 0
+        result = tier.load(keys, [3, 4, 5])
+        assert not result.success
+        assert list(result.successful_keys or ()) == keys[:1]
+        assert np.array_equal(region.array[3], region.array[0])
+        assert not region.array[4].any()  # not one byte of the corrupt chunk reached vLLM
+        assert tier.lookup(vllm_tier.new_keys(1) + keys[1:2]) == [vllm_tier.LookupResult.MISS] * 2
+    finally:
+        tier.close()
+
+
+def test_kvfs_verify_on_a_mount_and_on_a_backing_directory(fresh_mount: Mount) -> None:
+    paths = [vllm_io.chunk_path(str(fresh_mount.path), k) for k in range(6)]
+    for key, path in enumerate(paths):
+        vllm_io.store(path, vllm_io.chunk_bytes(key, CHUNK), o_direct=True)
+    flip_byte(backing_of(fresh_mount, paths[2]))
+    result = kvfs("verify", "--json", str(fresh_mount.path), check=False)
+    report = json.loads(result.stdout)
+    assert result.returncode == 1
+    assert report["files"] == 5 and report["bad"] == [paths[2]]
+    assert not os.access(paths[2], os.F_OK)
+
+    # Unmounted: the backing directory is checked directly, with the same quarantine.
+    flip_byte(backing_of(fresh_mount, paths[4]))
+    fresh_mount.stop()
+    refused = kvfs("verify", str(fresh_mount.path), check=False)  # the bare mountpoint
+    assert refused.returncode == 1 and "neither in a kvfs mount" in refused.stderr
+    result = kvfs("verify", "--json", str(fresh_mount.backing), check=False)
+    report = json.loads(result.stdout)
+    assert report["files"] == 4 and report["bad"] == [backing_of(fresh_mount, paths[4])]
+    assert len(list(Path(fresh_mount.backing, ".kvfs", "quarantine").iterdir())) == 2
+    fresh_mount.start()
+    assert sorted(os.access(p, os.F_OK) for p in paths) == [False, False, True, True, True, True]
