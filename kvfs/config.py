@@ -38,10 +38,18 @@ def parse_capacity(text: str, filesystem_bytes: int) -> int:
     return parse_size(text, "--capacity")
 
 
+def _mount_name(mountpoint: Path) -> str:
+    return str(mountpoint.absolute()).strip("/").replace("/", "_") or "root"
+
+
 def default_backing_dir(mountpoint: Path) -> Path:
     """One backing directory per mountpoint, so two default mounts never share one."""
-    name = str(mountpoint.resolve()).strip("/").replace("/", "_") or "root"
-    return Path("/var/cache/kvfs") / name
+    return Path("/var/cache/kvfs") / _mount_name(mountpoint)
+
+
+def daemon_log(mountpoint: Path) -> Path:
+    """The daemon's log: never on the backing store, which may be the thing that hangs."""
+    return Path("/var/log/kvfs") / f"{_mount_name(mountpoint)}.log"
 
 
 @dataclass(frozen=True)

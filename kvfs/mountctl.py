@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 from kvfs import layout
+from kvfs.config import daemon_log
 
 READY = "ready"
-DAEMON_LOG = "daemon.log"
 
 
 class MountError(RuntimeError):
@@ -119,7 +119,8 @@ def mount(mountpoint: Path, backing: Path, options: list[str], foreground: bool)
     command = daemon_command(mountpoint, backing, options)
     if foreground:
         os.execv(sys.executable, command)
-    log_path = backing / os.fsdecode(layout.PRIVATE_DIR) / DAEMON_LOG
+    log_path = daemon_log(mountpoint)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     read_end, write_end = os.pipe()
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(

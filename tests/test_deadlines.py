@@ -1,0 +1,84 @@
+"""Deadlines: a stalled backing store never hangs a client past --io-timeout.
+
+The stalled store is real: the backing directory is itself a kvfs mount whose daemon gets
+SIGSTOP, so every call the outer daemon makes on it blocks until SIGCONT.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Mount
+from tools import vllm_io
+
+TIMEOUT = 1.0
+CHUNK = 256 << 10
+
+
+@pytest.fixture
+def stacked(tmp_path: Path) -> Iterator[tuple[Mount, Mount]]:
+    """An outer kvfs whose backing directory is an inner kvfs mount."""
+    for name in ("inner-backing", "inner", "outer"):
+        (tmp_path / name).mkdir()
+    inner = Mount(tmp_path / "inner", tmp_path / "inner-backing")
+    # Below the inner root: there `.kvfs` is the inner daemon's own reserved name.
+    outer = Mount(tmp_path / "outer", tmp_path / "inner" / "store", ("--io-timeout", str(TIMEOUT)))
+    inner.start()
+    try:
+        outer.backing.mkdir()
+        outer.start()
+        try:
+            yield outer, inner
+        finally:
+            os.kill(inner.pid, signal.SIGCONT)
+            outer.stop()
+    finally:
+        inner.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_read_from_a_stalled_store_fails_within_the_deadline_and_others_are_served(
+    stacked: tuple[Mount, Mount],
+) -> None:
+    outer, inner = stacked
+    paths = [vllm_io.chunk_path(str(outer.path), k) for k in range(2)]
+    for key, path in enumerate(paths):
+        vllm_io.store(path, vllm_io.chunk_bytes(key, CHUNK), o_direct=True)
+    os.kill(inner.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(OSError) as err:
+        vllm_io.load(paths[0], CHUNK, o_direct=True)
+    elapsed = time.monotonic() - start
+    assert err.value.errno == errno.EIO
+    assert TIMEOUT * 0.9 <= elapsed < TIMEOUT + 1.0
+    # Meanwhile the daemon keeps serving what needs no backing I/O, at once.
+    start = time.monotonic()
+    assert os.access(paths[1], os.F_OK) and not os.access(paths[1] + "x", os.F_OK)
+    assert os.stat(paths[1]).st_size == CHUNK
+    assert os.getxattr(paths[1], "user.kvfs.checksum").startswith(b"xxh3-64:")
+    assert sorted(os.listdir(os.path.dirname(paths[1]))) == sorted(
+        os.path.basename(p) for p in paths
+    )
+    assert time.monotonic() - start < 0.5
+    # A write is buffered, then its publish meets the stall: close() fails within the deadline.
+    start = time.monotonic()
+    with pytest.raises(OSError) as err:
+        vllm_io.store(vllm_io.chunk_path(str(outer.path), 9), vllm_io.chunk_bytes(9, CHUNK))
+    assert err.value.errno == errno.EIO and time.monotonic() - start < TIMEOUT + 1.0
+    os.kill(inner.pid, signal.SIGCONT)
+    # Once the store answers again, so does the mount, with the right bytes.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert vllm_io.load(paths[1], CHUNK, o_direct=True) == vllm_io.chunk_bytes(1, CHUNK)
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
