@@ -164,7 +164,7 @@ class S3FIFO(EvictionPolicy):
             return None
         self._forget(key, size)
         self._ghost[key] = None
-        while len(self._ghost) > max(len(self._main), 1):
+        while len(self._ghost) > max(len(self), 1):  # remember as many as the cache holds
             self._ghost.popitem(last=False)
         return key
 

@@ -63,6 +63,14 @@ def test_filling_past_capacity_evicts_the_least_recently_read_and_keeps_pinned(
         du = subprocess.run(["du", "-sb", str(small_mount.path)], capture_output=True, text=True)
         assert int(du.stdout.split()[0]) <= CAPACITY
     survivors = stored(small_mount, range(40))
+    backing = [
+        k
+        for k in range(40)
+        if os.path.exists(
+            path(small_mount, k).replace(str(small_mount.path), str(small_mount.backing), 1)
+        )
+    ]
+    assert survivors == backing  # evicted names left the kernel's caches at once
     assert {0, 1, 2} <= set(survivors)  # recently read and pinned stay
     others = [k for k in survivors if k > 2]
     assert others == list(range(40 - len(others), 40))  # the rest: only the newest survive
@@ -74,6 +82,17 @@ def test_filling_past_capacity_evicts_the_least_recently_read_and_keeps_pinned(
     assert int(du.stdout.split()[0]) == used(small_mount) == len(survivors) * CHUNK
     assert st.f_blocks * st.f_frsize == CAPACITY
     assert (st.f_blocks - st.f_bfree) * st.f_frsize == used(small_mount)
+
+
+def test_eviction_never_disturbs_an_open_reader(small_mount: Mount) -> None:
+    store(small_mount, 0)
+    with open(path(small_mount, 0), "rb") as reader:
+        head = reader.read(4096)
+        for key in range(1, 40):  # chunk 0 is evicted meanwhile
+            store(small_mount, key)
+        assert not os.access(path(small_mount, 0), os.F_OK)
+        assert head + reader.read() == vllm_io.chunk_bytes(0, CHUNK)
+    assert used(small_mount) <= CAPACITY
 
 
 def test_a_directory_pin_covers_its_subtree_and_unpin_undoes_it(small_mount: Mount) -> None:

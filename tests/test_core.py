@@ -13,6 +13,7 @@ import pytest
 from kvfs import checksum, layout
 from kvfs.buffers import EXTENT, ChunkBuffer, ExtentPool
 from kvfs.config import ConfigError, MountConfig, parse_size
+from kvfs.eviction import S3FIFO, EvictionPolicy, make_policy
 from kvfs.index import Index
 from kvfs.io_queues import DualQueuePool, Queue
 from kvfs.store import BackingBusy, BackingStore
@@ -177,3 +178,52 @@ def test_chunk_buffer_writes_holes_truncates_and_reads_across_extents() -> None:
     assert b"".join(buf.views()) == model
     buf.release()
     assert buf.size == 0 and pool.free_bytes == 4 * EXTENT
+
+
+def _fill(policy: EvictionPolicy, keys: range, size: int = 1) -> None:
+    for key in keys:
+        policy.insert(key, size)
+
+
+def test_lru_evicts_the_least_recently_read_and_skips_exempt() -> None:
+    lru = make_policy("lru")
+    _fill(lru, range(5))
+    lru.access(0)
+    assert lru.evict(lambda k: k == 1) == 2
+    assert [lru.evict(lambda k: False) for _ in range(4)] == [1, 3, 4, 0]
+    assert lru.evict(lambda k: False) is None
+
+
+def test_s3fifo_resists_a_scan_that_lru_does_not() -> None:
+    """A hot set of 10, read again after every 14 one-time chunks, with room for 20."""
+
+    def hot_hits(policy: EvictionPolicy) -> int:
+        held: set[int] = set()
+        hits = 0
+        for step in range(300):
+            for key in list(range(10)) if step % 15 == 0 else [1000 + step]:
+                if key in held:
+                    policy.access(key)
+                    hits += key < 10
+                    continue
+                while len(held) >= 20:
+                    victim = policy.evict(lambda k: False)
+                    assert victim is not None
+                    held.discard(victim)
+                policy.insert(key, 1)
+                held.add(key)
+        return hits
+
+    assert hot_hits(make_policy("lru")) == 0  # every scan flushes the hot set
+    assert hot_hits(make_policy("s3fifo")) >= 170  # of 190: all but the second round
+
+
+def test_s3fifo_exempt_entries_stay_and_ghosts_return_to_main() -> None:
+    s3 = S3FIFO()
+    _fill(s3, range(10))
+    assert s3.evict(lambda k: k == 0) == 1  # 0 is exempt: the next oldest goes
+    s3.insert(1, 1)  # 1 comes back: its ghost sends it to the main queue
+    victims = [s3.evict(lambda k: k == 0) for _ in range(10)]
+    assert victims == [*range(2, 10), 1, None]  # new ones first; 1 is in main; 0 never
+    s3.remove(0)
+    assert len(s3) == 0
