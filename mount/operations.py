@@ -468,10 +468,15 @@ class KvfsOperations(pyfuse3.Operations):
         if ws is None:
             ws = self._writes[node.ino] = WriteState(ChunkBuffer(self.extents))
             if node.on_backing and node.size and not truncate:
+                held = extents_for(node.size) * EXTENT
                 try:
                     async with ws.lock:  # writes wait until the current bytes are loaded
-                        await self.budget.acquire(extents_for(node.size) * EXTENT)
-                        ws.buffer = await self._read_backing(node)
+                        await self.budget.acquire(held)
+                        try:
+                            ws.buffer = await self._read_backing(node)
+                        except BaseException:
+                            self.budget.release(held)
+                            raise
                 except BaseException:
                     self._drop_write_state(node)
                     raise
@@ -812,4 +817,7 @@ class KvfsOperations(pyfuse3.Operations):
             values[b"user.kvfs.backing"] = self.store.root
             values[b"user.kvfs.capacity"] = b"%d" % self.evictor.capacity
             values[b"user.kvfs.used"] = b"%d" % self.evictor.used
+            values[b"user.kvfs.evictions"] = b"%d" % self.evictor.evictions.total()
+            values[b"user.kvfs.checksum_failures"] = b"%d" % self.checksum_failures
+            values[b"user.kvfs.deadline_expiries"] = b"%d" % self.deadline_expiries
         return values

@@ -75,6 +75,7 @@ def test_filling_past_capacity_evicts_the_least_recently_read_and_keeps_pinned(
     others = [k for k in survivors if k > 2]
     assert others == list(range(40 - len(others), 40))  # the rest: only the newest survive
     assert len(survivors) * CHUNK <= CAPACITY
+    assert int(os.getxattr(small_mount.path, "user.kvfs.evictions")) == 40 - len(survivors)
     assert os.getxattr(path(small_mount, 2), "user.kvfs.pinned") == b"1"
     # du -sb, df -B1 and the index agree.
     du = subprocess.run(["du", "-sb", str(small_mount.path)], capture_output=True, text=True)

@@ -72,6 +72,7 @@ def test_a_read_from_a_stalled_store_fails_within_the_deadline_and_others_are_se
     with pytest.raises(OSError) as err:
         vllm_io.store(vllm_io.chunk_path(str(outer.path), 9), vllm_io.chunk_bytes(9, CHUNK))
     assert err.value.errno == errno.EIO and time.monotonic() - start < TIMEOUT + 1.0
+    assert int(os.getxattr(outer.path, "user.kvfs.deadline_expiries")) >= 2
     os.kill(inner.pid, signal.SIGCONT)
     # Once the store answers again, so does the mount, with the right bytes.
     deadline = time.monotonic() + 10

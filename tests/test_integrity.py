@@ -41,6 +41,7 @@ def test_a_flipped_byte_fails_with_eio_is_quarantined_and_then_misses(fresh_moun
     assert not os.path.exists(backing_of(fresh_mount, path))
     quarantined = list((fresh_mount.backing / ".kvfs" / "quarantine").iterdir())
     assert len(quarantined) == 1
+    assert os.getxattr(fresh_mount.path, "user.kvfs.checksum_failures") == b"1"
     assert vllm_io.store(path, vllm_io.chunk_bytes(1, CHUNK))  # stored again: a fresh chunk
     assert vllm_io.load(path, CHUNK) == vllm_io.chunk_bytes(1, CHUNK)
 
