@@ -17,10 +17,15 @@ Errno choices:
   ENAMETOOLONG  a name longer than 255 bytes
   EPERM         hard links, symlinks, device files, FIFOs and sockets; the reserved name
                 ``.kvfs`` at the root (the backing directory's private area)
-  EINVAL        RENAME_EXCHANGE (not supported), moving a directory into itself
+  EINVAL        RENAME_EXCHANGE (not supported), moving a directory into itself, a pin value
+                other than 0 or 1
   EIO           a checksum mismatch (the file is quarantined), an expired deadline
-  ENOTSUP       setting or removing xattrs
-  anything else comes from the backing filesystem (ENOSPC, EDQUOT, EROFS...)
+  ENOSPC        a publish that does not fit even after evicting all that may go
+  ENOTSUP       xattrs other than user.kvfs.pin (the rest are read-only)
+  anything else comes from the backing filesystem (EDQUOT, EROFS...)
+
+Capacity and eviction live in mount/eviction.py; this module only decides what may not go
+(``_busy``) and how a file goes (``_evict``).
 """
 
 from __future__ import annotations
@@ -163,6 +168,12 @@ class KvfsOperations(pyfuse3.Operations):
             raise FUSEError(errno.ENOTDIR)
         return node
 
+    def _child(self, parent: Node, name: bytes) -> Node:
+        node = self.index.child(parent, name)
+        if node is None:
+            raise FUSEError(errno.ENOENT)
+        return node
+
     @staticmethod
     def _check_name(parent: Node, name: bytes) -> None:
         if len(name) > layout.NAME_MAX:
@@ -269,9 +280,7 @@ class KvfsOperations(pyfuse3.Operations):
 
         async def op() -> None:
             async with self._ns:
-                node = self.index.child(parent, name)
-                if node is None:
-                    raise FUSEError(errno.ENOENT)
+                node = self._child(parent, name)
                 if not node.is_dir:
                     raise FUSEError(errno.ENOTDIR)
                 if node.children:
@@ -286,9 +295,7 @@ class KvfsOperations(pyfuse3.Operations):
 
         async def op() -> None:
             async with self._ns:
-                node = self.index.child(parent, name)
-                if node is None:
-                    raise FUSEError(errno.ENOENT)
+                node = self._child(parent, name)
                 if node.is_dir:
                     raise FUSEError(errno.EISDIR)
                 if node.on_backing:
@@ -314,9 +321,7 @@ class KvfsOperations(pyfuse3.Operations):
 
         async def op() -> None:
             async with self._ns:
-                node = self.index.child(old_parent, name_old)
-                if node is None:
-                    raise FUSEError(errno.ENOENT)
+                node = self._child(old_parent, name_old)
                 target = self.index.child(new_parent, name_new)
                 if target is node:
                     return
