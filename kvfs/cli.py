@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
-from kvfs import __version__, mountctl, verify
+from kvfs import __version__, inspect, mountctl, verify
 from kvfs.config import ConfigError, MountConfig, default_backing_dir, parse_size
 from kvfs.eviction import POLICIES
 
@@ -56,6 +58,46 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         for path in report.errors:
             print(f"unreadable: {path}")
     return 1 if report.bad or report.errors else 0
+
+
+def _emit(args: argparse.Namespace, result: tuple[dict[str, Any], str]) -> int:
+    data, text = result
+    print(json.dumps(data, indent=2) if args.json else text)
+    return 0
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    return _emit(args, inspect.ls(args.mountpoint))
+
+
+def _cmd_du(args: argparse.Namespace) -> int:
+    return _emit(args, inspect.du(args.mountpoint))
+
+
+def _cmd_stat(args: argparse.Namespace) -> int:
+    return _emit(args, inspect.stat(args.path))
+
+
+def _cmd_evict(args: argparse.Namespace) -> int:
+    older = parse_age(args.older_than) if args.older_than else None
+    return _emit(args, inspect.evict(args.mountpoint, args.namespace, older))
+
+
+def _cmd_top(args: argparse.Namespace) -> int:
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a live view ends
+        inspect.top(args.mountpoint, args.interval, args.count)
+    return 0
+
+
+def parse_age(text: str) -> float:
+    """``90``, ``90s``, ``15m``, ``2h``, ``7d`` into seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        if text[-1] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except (ValueError, IndexError):
+        raise ConfigError(f"--older-than: {text!r} is not an age (e.g. 90s, 15m, 2h, 7d)") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,6 +169,51 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("path", type=Path)
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.set_defaults(run=_cmd_verify)
+
+    for name, run, help_text in (
+        ("ls", _cmd_ls, "a table per namespace: model, chunks, bytes, tokens, hit rate, reads"),
+        ("du", _cmd_du, "usage against the capacity, per namespace"),
+    ):
+        report = commands.add_parser(
+            name, help=help_text, description=help_text.capitalize() + ", from the running daemon."
+        )
+        report.add_argument("mountpoint", type=Path)
+        report.add_argument("--json", action="store_true", help="print the report as JSON")
+        report.set_defaults(run=run)
+
+    show = commands.add_parser(
+        "stat",
+        help="size, checksum, hits, last read, pin of a path",
+        description="What the daemon knows of one file or directory.",
+    )
+    show.add_argument("path", type=Path)
+    show.add_argument("--json", action="store_true", help="print the report as JSON")
+    show.set_defaults(run=_cmd_stat)
+
+    live = commands.add_parser(
+        "top",
+        help="a live view of reads, writes, hits and queues",
+        description="Print, every INTERVAL seconds, the rates of reads, "
+        "writes, lookup hits and misses, evictions, the I/O queue depths "
+        "and the usage. Ctrl-C stops it.",
+    )
+    live.add_argument("mountpoint", type=Path)
+    live.add_argument("--interval", type=float, default=1.0)
+    live.add_argument("--count", type=int, help="stop after this many lines")
+    live.set_defaults(run=_cmd_top)
+
+    drop = commands.add_parser(
+        "evict",
+        help="evict a namespace, or chunks not read for a while",
+        description="Evict (delete) chunks now: all of a namespace, or "
+        "all not read for AGE. Pinned chunks and files being written stay.",
+    )
+    drop.add_argument("mountpoint", type=Path)
+    what = drop.add_mutually_exclusive_group(required=True)
+    what.add_argument("--namespace", help="a directory at the root of the mount")
+    what.add_argument("--older-than", metavar="AGE", help="e.g. 90s, 15m, 2h, 7d")
+    drop.add_argument("--json", action="store_true", help="print the result as JSON")
+    drop.set_defaults(run=_cmd_evict)
     return parser
 
 
@@ -134,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except (mountctl.MountError, ConfigError, verify.VerifyError) as err:
+    except (mountctl.MountError, ConfigError, verify.VerifyError, inspect.InspectError) as err:
         print(f"kvfs: {err}", file=sys.stderr)
         return 1
 

@@ -34,6 +34,7 @@ class Node:
         "ino",
         "last_read_ns",
         "lookups",
+        "meta",
         "mode",
         "mtime_ns",
         "name",
@@ -42,6 +43,8 @@ class Node:
         "parent",
         "pinned",
         "size",
+        "tree_bytes",
+        "tree_files",
         "uid",
     )
 
@@ -59,6 +62,11 @@ class Node:
         self.last_read_ns = 0  # persisted with the file, so recency survives a restart
         self.hits = 0
         self.pinned = False  # exempt from eviction (on a directory: everything below it)
+        # On directories: published files and bytes below, kept exact, so per-namespace
+        # reports need no walk; and a namespace's parsed config.json, if it has one.
+        self.tree_files = 0
+        self.tree_bytes = 0
+        self.meta: dict[str, object] | None = None
         # Whether the backing store holds this node's bytes: at its path while it is in the tree,
         # in .kvfs/unlinked/<ino> once it left the tree but the kernel may still open it.
         self.on_backing = False
@@ -127,23 +135,26 @@ class Index:
         """Take a node out of the tree; it lives on while the kernel or a handle holds it."""
         parent = node.parent
         assert parent is not None and parent.children is not None
-        del parent.children[node.name]
-        node.parent = None
         if node.is_dir:
             self.dirs -= 1
         else:
             self.files -= 1
             self._count(node, -1)
             self.policy.remove(node.ino)
+        del parent.children[node.name]
+        node.parent = None
         self.release_if_unused(node)
 
     def move(self, node: Node, new_parent: Node, new_name: bytes) -> None:
         old_parent = node.parent
         assert old_parent is not None and old_parent.children is not None
         assert new_parent.children is not None and new_name not in new_parent.children
+        files, size = (node.tree_files, node.tree_bytes) if node.is_dir else (1, node.size)
+        self._propagate(old_parent, -files, -size)
         del old_parent.children[node.name]
         node.parent, node.name = new_parent, new_name
         new_parent.children[new_name] = node
+        self._propagate(new_parent, files, size)
 
     def set_published(self, node: Node, size: int, blocks: int) -> None:
         """Record a new published version's size, keeping the totals exact."""
@@ -217,3 +228,11 @@ class Index:
     def _count(self, node: Node, sign: int) -> None:
         self.bytes += sign * node.size
         self.charged += sign * on_disk(node.size)
+        self._propagate(node.parent, sign, sign * node.size)
+
+    @staticmethod
+    def _propagate(directory: Node | None, files: int, size: int) -> None:
+        while directory is not None:
+            directory.tree_files += files
+            directory.tree_bytes += size
+            directory = directory.parent

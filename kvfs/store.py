@@ -20,7 +20,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from kvfs import checksum, layout
+from kvfs import checksum, layout, namespaces
 from kvfs.buffers import ALIGN, EXTENT, ChunkBuffer, ExtentPool
 from kvfs.index import Index, Node
 
@@ -167,6 +167,9 @@ class BackingStore:
                         _read_recency(entry.path, node)
                     node.pinned = _read_pinned(entry.path)
                     index.attach(parent, name, node, track=False)
+                    if node.children is None and namespaces.is_namespace_config(node):
+                        with open(entry.path, "rb") as config:
+                            parent.meta = namespaces.parse_config(config.read(1 << 20))
                     if node.children is not None:
                         stack.append((node, entry.path))
         index.restore_policy()

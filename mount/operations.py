@@ -37,22 +37,24 @@ import math
 import os
 import stat
 import time
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
-from kvfs import layout
+from kvfs import layout, namespaces
 from kvfs.buffers import ALIGN, EXTENT, ChunkBuffer, ExtentPool, extents_for
 from kvfs.checksum import ChecksumMismatch
 from kvfs.config import MountConfig
 from kvfs.index import ROOT_INO, Index, Node
 from kvfs.io_queues import DualQueuePool, Queue
+from kvfs.mount import control
 from kvfs.mount.bridge import IO, ByteBudget, Detached, Future
 from kvfs.mount.eviction import Evictor
 from kvfs.mount.invalidator import Invalidator
@@ -98,7 +100,10 @@ class KvfsOperations(pyfuse3.Operations):
         self.invalidator = Invalidator()
         self._writes: dict[int, WriteState] = {}
         self._handles: dict[int, Handle] = {}
-        self._dirs: dict[int, list[tuple[bytes, Node]]] = {}
+        self._dirs: dict[int, list[tuple[bytes, Node | int]]] = {}  # int: a control file
+        self._control: dict[int, bytes] = {}  # open control files: their generated content
+        self.lookups: defaultdict[int, Counter[str]] = defaultdict(Counter)  # per namespace
+        self.counters: Counter[str] = Counter()  # reads, bytes_read, publishes, bytes_written
         self._next_fh = 1
         index.on_release = self._released
         self.deadline_expiries = 0
@@ -163,6 +168,8 @@ class KvfsOperations(pyfuse3.Operations):
         return node
 
     def _dir(self, ino: int) -> Node:
+        if control.is_control(ino):
+            raise FUSEError(errno.EROFS)  # the control directory is read-only
         node = self._node(ino)
         if not node.is_dir:
             raise FUSEError(errno.ENOTDIR)
@@ -223,6 +230,8 @@ class KvfsOperations(pyfuse3.Operations):
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
+        if parent_inode == control.DIR_INO or (parent_inode == ROOT_INO and name == control.NAME):
+            return self._control_lookup(parent_inode, name)
         parent = self._dir(parent_inode)
         if len(name) > layout.NAME_MAX:
             raise FUSEError(errno.ENAMETOOLONG)
@@ -233,6 +242,7 @@ class KvfsOperations(pyfuse3.Operations):
         else:
             node = self.index.child(parent, name)
         if node is None:
+            self._count_lookup(parent, "miss")
             # A negative entry: the kernel caches the miss, so repeated exists() on a cold
             # cache never reach the daemon. Every create goes through us and replaces it.
             miss = pyfuse3.EntryAttributes()
@@ -247,7 +257,49 @@ class KvfsOperations(pyfuse3.Operations):
             self.index.forget(ino, count)
 
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if control.is_control(inode):
+            return control.attrs(inode, self.cfg.cache_timeout)
         return self._attrs(self._node(inode))
+
+    def _count_lookup(self, parent: Node, result: str) -> None:
+        """Per namespace: a hit is a chunk opened for reading; a miss, a name the daemon was
+        asked for and does not have (the kernel answers repeated misses itself, uncounted)."""
+        top = namespaces.top_level(parent) if parent.ino != ROOT_INO else None
+        if top is not None:
+            self.lookups[top.ino][result] += 1
+
+    def _control_lookup(self, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes:
+        ino = control.DIR_INO if parent_inode == ROOT_INO else control.FILES.get(name)
+        if ino is None:
+            raise FUSEError(errno.ENOENT)
+        return control.attrs(ino, self.cfg.cache_timeout)
+
+    def report(self, walk: bool) -> dict[str, Any]:
+        """The daemon's state for `kvfs ls`/`du`/`top` (through .kvfs/ in the mount)."""
+        return {
+            "time": time.time(),
+            "pid": os.getpid(),
+            "backing": os.fsdecode(self.store.root),
+            "capacity": self.evictor.capacity,
+            "used": self.evictor.used,
+            "reserved": self.evictor.reserved,
+            "files": self.index.files,
+            "bytes": self.index.bytes,
+            "evictions": dict(self.evictor.evictions),
+            "counters": dict(self.counters),
+            "lookups": {
+                "hit": sum(c["hit"] for c in self.lookups.values()),
+                "miss": sum(c["miss"] for c in self.lookups.values()),
+            },
+            "checksum_failures": self.checksum_failures,
+            "deadline_expiries": self.deadline_expiries,
+            "queues": {
+                q.value: {"waiting": self.pool.depth(q), "running": self.pool.busy[q]}
+                for q in Queue
+            },
+            "write_buffer": {"used": self.budget.used, "capacity": self.budget.capacity},
+            "namespaces": list(namespaces.namespaces(self.index, self.lookups, walk)),
+        }
 
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
         self._node(inode)
@@ -395,10 +447,13 @@ class KvfsOperations(pyfuse3.Operations):
     # -- directories ------------------------------------------------------------------------
 
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        node = self._dir(inode)
-        assert node.children is not None
         fh = self._next_fh
         self._next_fh += 1
+        if inode == control.DIR_INO:
+            self._dirs[fh] = [(name, ino) for name, ino in control.FILES.items()]
+            return fh
+        node = self._dir(inode)
+        assert node.children is not None
         self._dirs[fh] = sorted(node.children.items())  # a snapshot: offsets stay stable
         return fh
 
@@ -406,6 +461,10 @@ class KvfsOperations(pyfuse3.Operations):
         entries = self._dirs[fh]
         for i in range(start_id, len(entries)):
             name, node = entries[i]
+            if isinstance(node, int):  # a control file
+                if not pyfuse3.readdir_reply(token, name, control.attrs(node, 1), i + 1):
+                    break
+                continue
             if not node.attached:
                 continue
             if not pyfuse3.readdir_reply(token, name, self._attrs(node), i + 1):
@@ -440,6 +499,13 @@ class KvfsOperations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=False), self._attrs(node)
 
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if control.is_control(inode):
+            if flags & os.O_ACCMODE != os.O_RDONLY:
+                raise FUSEError(errno.EROFS)
+            fh = self._next_fh
+            self._next_fh += 1
+            self._control[fh] = control.render(inode, self.report)
+            return pyfuse3.FileInfo(fh=fh, direct_io=True)
         node = self._node(inode)
         if node.is_dir:
             raise FUSEError(errno.EISDIR)
@@ -452,6 +518,9 @@ class KvfsOperations(pyfuse3.Operations):
             # A read, for eviction: counted at open, since the kernel's page cache may answer
             # the reads themselves. Persisted so that the order survives a restart.
             self.index.read(node, time.time_ns())
+            self.counters["reads"] += 1
+            if node.parent is not None:
+                self._count_lookup(node.parent, "hit")
             self.io.submit(
                 Queue.WRITE,
                 self.store.save_recency,
@@ -532,6 +601,8 @@ class KvfsOperations(pyfuse3.Operations):
         self.invalidator.entry(parent.ino, node.name, node.ino)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        if fh in self._control:
+            return self._control[fh][off : off + size]
         handle = self._handle(fh)
         ws = self._writes.get(handle.node.ino)
         if ws is not None and (handle.writable or handle.fd is None):
@@ -547,7 +618,9 @@ class KvfsOperations(pyfuse3.Operations):
             if not node.on_backing:
                 return ChunkBuffer(self.extents)
             handle.fd = await self._open_backing(node)
-        return await self._read_verified(node, handle.fd)
+        data = await self._read_verified(node, handle.fd)
+        self.counters["bytes_read"] += data.size
+        return data
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self._handle(fh)
@@ -576,6 +649,8 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def flush(self, fh: int) -> None:
         # close() of a written file is where its errors (ENOSPC, EIO) can still reach the writer.
+        if fh in self._control:
+            return
         handle = self._handle(fh)
         ws = self._writes.get(handle.node.ino)
         if handle.writable and ws is not None and ws.dirty:
@@ -597,6 +672,8 @@ class KvfsOperations(pyfuse3.Operations):
             await self._bounded(op)
 
     async def release(self, fh: int) -> None:
+        if self._control.pop(fh, None) is not None:
+            return
         handle = self._handles.pop(fh)
         node = handle.node
         node.open_count -= 1
@@ -641,8 +718,12 @@ class KvfsOperations(pyfuse3.Operations):
                 node.checksum = pub.checksum
                 if not node.hits:  # never read: as recent as its write (what a restart sees)
                     node.last_read_ns = node.mtime_ns
+                if namespaces.is_namespace_config(node) and node.parent is not None:
+                    node.parent.meta = namespaces.parse_config(b"".join(ws.buffer.views()))
                 self.index.set_published(node, pub.size, pub.blocks)
                 ws.dirty = False
+                self.counters["publishes"] += 1
+                self.counters["bytes_written"] += pub.size
         if pub.blocks != math.ceil(pub.size / 512):
             # The kernel may hold the st_blocks we gave while the file was dirty; `du` must see
             # the real ones. (Usually equal for chunk files: then the kernel keeps its cache and
@@ -788,6 +869,9 @@ class KvfsOperations(pyfuse3.Operations):
         """``user.kvfs.pin`` = 1 exempts a file, or everything under a directory, from eviction;
         0 undoes it. The flag is kept with the backing file, so it survives a restart."""
         node = self._node(inode)
+        if name == b"user.kvfs.evict" and inode == ROOT_INO:
+            await self._bounded(partial(self._evict_by_request, value.decode(errors="replace")))
+            return
         if name not in (b"user.kvfs.pin", b"user.kvfs.pinned"):
             raise FUSEError(errno.ENOTSUP)
         if value.strip() not in (b"0", b"1"):
@@ -801,6 +885,27 @@ class KvfsOperations(pyfuse3.Operations):
 
         await self._bounded(op)
 
+    async def _evict_by_request(self, request: str) -> None:
+        """``namespace=NAME`` or ``older-than=SECONDS`` (from `kvfs evict`): evict those files,
+        except what may not go (pinned, being written)."""
+        key, _, value = request.partition("=")
+        if key == "namespace":
+            top = self.index.child(self.index.root, value.encode())
+            if top is None or not top.is_dir:
+                raise FUSEError(errno.ENOENT)
+            files = [f for f in self.index.walk_files(top) if f.name != namespaces.CONFIG_NAME]
+        elif key == "older-than":
+            try:
+                cutoff = time.time_ns() - int(float(value) * 1e9)
+            except ValueError:
+                raise FUSEError(errno.EINVAL) from None
+            files = [f for f in self.index.walk_files() if f.last_read_ns < cutoff]
+        else:
+            raise FUSEError(errno.EINVAL)
+        for node in files:
+            if await self._evict(node, "request"):
+                self.evictor.evictions["request"] += 1
+
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         if name in (b"user.kvfs.pin", b"user.kvfs.pinned"):
             await self.setxattr(inode, name, b"0", ctx)
@@ -810,6 +915,15 @@ class KvfsOperations(pyfuse3.Operations):
     def _xattrs(self, node: Node) -> dict[bytes, bytes]:
         """Attributes the daemon answers from memory (the kernel never caches xattrs)."""
         values = {b"user.kvfs.pinned": b"1" if node.pinned else b"0"}
+        if node.is_dir and node.parent is not None and node.parent.ino == ROOT_INO:
+            config = namespaces.config_for(self.index, node) or {}
+            per_chunk = namespaces.tokens_per_chunk(config)
+            chunks = node.tree_files - (1 if node.meta is not None else 0)
+            values[b"user.kvfs.model"] = str(config.get("model_name", node.name.decode())).encode()
+            values[b"user.kvfs.chunks"] = b"%d" % chunks
+            values[b"user.kvfs.bytes"] = b"%d" % node.tree_bytes
+            if per_chunk:
+                values[b"user.kvfs.tokens"] = b"%d" % (chunks * per_chunk)
         if not node.is_dir:
             if node.checksum is not None:
                 values[b"user.kvfs.checksum"] = node.checksum.encode()

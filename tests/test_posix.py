@@ -194,11 +194,18 @@ def test_names_longer_than_name_max(d: Path) -> None:
     assert (d / ("x" * 255)).read_bytes() == b"ok"
 
 
-def test_private_area_is_hidden_and_reserved(kv_mount: Mount) -> None:
-    assert ".kvfs" not in os.listdir(kv_mount.path)
-    assert not (kv_mount.path / ".kvfs").exists()
-    with pytest.raises(PermissionError):
-        (kv_mount.path / ".kvfs").mkdir()
+def test_the_backing_private_area_is_hidden_and_the_control_dir_is_read_only(
+    kv_mount: Mount,
+) -> None:
+    assert ".kvfs" not in os.listdir(kv_mount.path)  # neither shown nor counted by du
+    control = kv_mount.path / ".kvfs"
+    assert sorted(os.listdir(control)) == ["namespaces.json", "usage.json"]
+    assert not (control / "tmp").exists()  # the backing directory's .kvfs stays private
+    with pytest.raises(OSError) as err:
+        (control / "new").write_bytes(b"x")
+    assert err.value.errno == errno.EROFS
+    with pytest.raises(FileExistsError):
+        control.mkdir()
 
 
 def test_access_stat_of_missing_names(d: Path) -> None:

@@ -1,0 +1,111 @@
+"""Per-namespace reports from the index: what each model's cache holds, answered from memory.
+
+vLLM's fs tier writes `<root>/<model>_<digest>/config.json` (the run configuration) and the
+chunks under the sibling `<root>/<model>_<digest>_r<rank>/`. A namespace here is a directory at
+the root; a data directory `X_r<N>` takes its model, dtype and tokens per chunk from `X`'s
+config.json. Any other directory at the root is a namespace too, with what the index knows.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+from kvfs.index import Index, Node
+
+CONFIG_NAME = b"config.json"
+_DATA_DIR = re.compile(rb"^(?P<config_dir>.+)_r\d+$")
+
+
+def parse_config(data: bytes) -> dict[str, Any] | None:
+    try:
+        config = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def is_namespace_config(node: Node) -> bool:
+    """A config.json directly in a directory at the root."""
+    parent = node.parent
+    return (
+        node.name == CONFIG_NAME
+        and parent is not None
+        and parent.parent is not None
+        and (parent.parent.parent is None)
+    )
+
+
+def config_for(index: Index, top: Node) -> dict[str, Any] | None:
+    if top.meta is not None:
+        return top.meta
+    match = _DATA_DIR.match(top.name)
+    if match:
+        sibling = index.child(index.root, match["config_dir"])
+        if sibling is not None and sibling.meta is not None:
+            return sibling.meta
+    return None
+
+
+def tokens_per_chunk(config: dict[str, Any] | None) -> int | None:
+    """blocks per file x tokens per block (of the first KV-cache group)."""
+    if not config:
+        return None
+    blocks = config.get("blocks_per_file") or config.get("gpu_blocks_per_file") or 1
+    groups = config.get("kv_cache_groups") or []
+    per_block = None
+    if groups and isinstance(groups[0], dict):
+        per_block = groups[0].get("tokens_per_block") or groups[0].get("block_size")
+    per_block = per_block or config.get("tokens_per_hash") or config.get("hash_block_size")
+    return int(blocks) * int(per_block) if per_block else None
+
+
+def top_level(node: Node) -> Node | None:
+    """The directory at the root that holds ``node`` (None for the root itself)."""
+    while node.parent is not None and node.parent.parent is not None:
+        node = node.parent
+    return node if node.parent is not None else None
+
+
+def _iso(ns: int) -> str | None:
+    return datetime.fromtimestamp(ns / 1e9, UTC).isoformat(timespec="seconds") if ns else None
+
+
+def namespaces(
+    index: Index, lookups: dict[int, Counter[str]], walk: bool
+) -> Iterator[dict[str, Any]]:
+    """One report per directory at the root. ``walk`` adds what needs every file (hits, oldest
+    and newest read); without it the report is O(namespaces)."""
+    assert index.root.children is not None
+    for name, top in sorted(index.root.children.items()):
+        if not top.is_dir:
+            continue
+        config = config_for(index, top)
+        per_chunk = tokens_per_chunk(config)
+        chunks = top.tree_files - (1 if top.meta is not None else 0)  # not its config.json
+        counts = lookups.get(top.ino, Counter())
+        asked = counts["hit"] + counts["miss"]
+        report: dict[str, Any] = {
+            "namespace": name.decode(errors="replace"),
+            "model": (config or {}).get("model_name"),
+            "dtype": (config or {}).get("dtype"),
+            "tokens_per_chunk": per_chunk,
+            "chunks": chunks,
+            "bytes": top.tree_bytes,
+            "tokens": chunks * per_chunk if per_chunk else None,
+            "lookups": asked,
+            "hit_rate": counts["hit"] / asked if asked else None,
+        }
+        if walk:
+            files = [
+                f for f in index.walk_files(top) if f.name != CONFIG_NAME or f.parent is not top
+            ]
+            reads = [f.last_read_ns for f in files if f.last_read_ns]
+            report["reads"] = sum(f.hits for f in files)
+            report["oldest_read"] = _iso(min(reads)) if reads else None
+            report["newest_read"] = _iso(max(reads)) if reads else None
+        yield report

@@ -1,0 +1,127 @@
+"""Inspection: xattrs and the kvfs ls/du/stat/top/evict reports tell the daemon's truth."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from tests.conftest import Mount, kvfs
+from tools import vllm_io
+
+CHUNK = 128 << 10
+MODELS = {  # namespace -> (model, blocks per file, tokens per block, chunks stored)
+    "llama_aaaaaaaaaaaa": ("org/llama", 2, 16, 7),
+    "qwen_bbbbbbbbbbbb": ("org/qwen", 1, 32, 4),
+}
+
+
+def store_two_namespaces(mount: Mount) -> None:
+    for ns, (model, blocks, per_block, count) in MODELS.items():
+        (mount.path / ns).mkdir()
+        config = {
+            "model_name": model,
+            "dtype": "bfloat16",
+            "blocks_per_file": blocks,
+            "kv_cache_groups": [{"tokens_per_block": per_block, "layer_names": ["l0"]}],
+        }
+        (mount.path / ns / "config.json").write_text(json.dumps(config))
+        for key in range(count):
+            vllm_io.store(
+                vllm_io.chunk_path(str(mount.path), key, namespace=ns),
+                vllm_io.chunk_bytes(key, CHUNK),
+            )
+
+
+def test_xattrs_ls_du_and_stat_report_exact_counts(fresh_mount: Mount) -> None:
+    store_two_namespaces(fresh_mount)
+    for ns, (model, blocks, per_block, count) in MODELS.items():
+        data = fresh_mount.path / f"{ns}_r0"
+        assert os.getxattr(data, "user.kvfs.model") == model.encode()
+        assert int(os.getxattr(data, "user.kvfs.chunks")) == count
+        assert int(os.getxattr(data, "user.kvfs.bytes")) == count * CHUNK
+        assert int(os.getxattr(data, "user.kvfs.tokens")) == count * blocks * per_block
+        du = subprocess.run(["du", "-sb", str(data)], capture_output=True, text=True)
+        assert int(du.stdout.split()[0]) == count * CHUNK
+    report = json.loads(kvfs("ls", "--json", str(fresh_mount.path)).stdout)
+    rows = {row["namespace"]: row for row in report["namespaces"]}
+    for ns, (model, blocks, per_block, count) in MODELS.items():
+        row = rows[f"{ns}_r0"]
+        assert (row["model"], row["dtype"], row["chunks"], row["bytes"]) == (
+            model,
+            "bfloat16",
+            count,
+            count * CHUNK,
+        )
+        assert row["tokens_per_chunk"] == blocks * per_block
+        assert row["tokens"] == count * blocks * per_block and row["reads"] == 0
+    usage = json.loads(kvfs("du", "--json", str(fresh_mount.path)).stdout)
+    assert usage["used"] == sum(c for *_, c in MODELS.values()) * CHUNK + 2 * 4096  # + configs
+    assert "org/llama" in kvfs("ls", str(fresh_mount.path)).stdout
+
+    # Reads show up as hits, in the chunk's xattrs and in the namespace's hit rate.
+    before = rows["qwen_bbbbbbbbbbbb_r0"]["lookups"]  # the stores' exists() checks: misses
+    path = vllm_io.chunk_path(str(fresh_mount.path), 0, namespace="qwen_bbbbbbbbbbbb")
+    for _ in range(3):
+        vllm_io.load(path, CHUNK)
+    assert not os.path.exists(path + ".missing")
+    stat = json.loads(kvfs("stat", "--json", path).stdout)
+    assert stat["hits"] == 3 and stat["size"] == CHUNK and stat["checksum"].startswith("xxh3")
+    rows = {
+        r["namespace"]: r
+        for r in json.loads(kvfs("ls", "--json", str(fresh_mount.path)).stdout)["namespaces"]
+    }
+    qwen = rows["qwen_bbbbbbbbbbbb_r0"]
+    assert qwen["reads"] == 3 and qwen["lookups"] == before + 4  # 3 reads, 1 miss
+    assert qwen["hit_rate"] == 3 / qwen["lookups"]
+    assert qwen["newest_read"] is not None
+
+
+def test_top_shows_the_rates_of_a_workload(fresh_mount: Mount) -> None:
+    store_two_namespaces(fresh_mount)
+    top = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvfs.cli",
+            "top",
+            str(fresh_mount.path),
+            "--interval",
+            "1",
+            "--count",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(0.2)
+    for key in range(20):
+        vllm_io.store(vllm_io.chunk_path(str(fresh_mount.path), 100 + key), b"x" * CHUNK)
+    out, _ = top.communicate(timeout=30)
+    lines = out.strip().splitlines()
+    assert len(lines) == 2 and "writes" in lines[0]
+    assert any(float(line.split("writes")[1].split("/s")[0]) > 0 for line in lines)
+
+
+def test_evict_a_namespace_and_by_age(fresh_mount: Mount) -> None:
+    store_two_namespaces(fresh_mount)
+    result = json.loads(
+        kvfs(
+            "evict", "--json", str(fresh_mount.path), "--namespace", "llama_aaaaaaaaaaaa_r0"
+        ).stdout
+    )
+    assert result["files"] == 7 and result["bytes"] == 7 * CHUNK
+    assert int(os.getxattr(fresh_mount.path / "llama_aaaaaaaaaaaa_r0", "user.kvfs.chunks")) == 0
+    assert not os.access(
+        vllm_io.chunk_path(str(fresh_mount.path), 0, namespace="llama_aaaaaaaaaaaa"), os.F_OK
+    )
+    time.sleep(1.1)
+    fresh = vllm_io.chunk_path(str(fresh_mount.path), 50, namespace="qwen_bbbbbbbbbbbb")
+    vllm_io.store(fresh, b"y" * CHUNK)
+    result = json.loads(kvfs("evict", "--json", str(fresh_mount.path), "--older-than", "1s").stdout)
+    assert result["files"] == 4 + 2  # the four old qwen chunks and the two config files
+    assert os.access(fresh, os.F_OK)
+    missing = kvfs("evict", str(fresh_mount.path), "--namespace", "nope", check=False)
+    assert missing.returncode == 1 and "no namespace" in missing.stderr
