@@ -24,12 +24,16 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         io_timeout=args.io_timeout or None,
         capacity=args.capacity,
         eviction=args.eviction,
+        metrics_port=args.metrics_port,
+        events=args.events,
     )
     options = [
         f"--write-buffer={cfg.write_buffer_bytes}",
         f"--io-timeout={args.io_timeout}",
         f"--capacity={cfg.capacity}",
         f"--eviction={cfg.eviction}",
+        *([f"--metrics-port={cfg.metrics_port}"] if cfg.metrics_port else []),
+        *([f"--events={cfg.events}"] if cfg.events else []),
         *(["--debug"] if args.debug else []),
     ]
     pid = mountctl.mount(args.mountpoint, backing, options, args.foreground)
@@ -147,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(POLICIES),
         default=MountConfig.eviction,
         help="lru: least recently read first (default); s3fifo: scan-resistant",
+    )
+    mount.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    mount.add_argument(
+        "--events",
+        metavar="ADDRESS",
+        help="publish KV events (vLLM's format) on this ZMQ address, e.g. tcp://127.0.0.1:5557",
     )
     mount.add_argument("--debug", action="store_true", help="log every request")
     mount.set_defaults(run=_cmd_mount)

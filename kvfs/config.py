@@ -67,6 +67,9 @@ class MountConfig:
     # Bytes the tier may hold: a size, or a percentage of the backing filesystem.
     capacity: str = "90%"
     eviction: str = "lru"
+    # Prometheus /metrics on this port (None: off); KV events on this ZMQ address (None: off).
+    metrics_port: int | None = None
+    events: str | None = None
     # How long the kernel may cache names, misses and attributes. Safe to make long: every
     # change goes through the daemon, which invalidates what it changes behind the kernel.
     cache_timeout: float = 3600.0
@@ -82,5 +85,9 @@ class MountConfig:
         if self.cache_timeout < 0:
             raise ConfigError("cache_timeout: must be zero or more seconds")
         parse_capacity(self.capacity, 1 << 40)  # the syntax; the daemon resolves percentages
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ConfigError("metrics_port: must be a TCP port (1-65535)")
+        if self.events is not None and "://" not in self.events:
+            raise ConfigError(f"events: {self.events!r} is not a ZMQ address (tcp://HOST:PORT)")
         if self.eviction not in POLICIES:
             raise ConfigError(f"eviction: {self.eviction!r} is not one of {', '.join(POLICIES)}")

@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-timeout", type=float, default=MountConfig.cache_timeout)
     parser.add_argument("--capacity", default=MountConfig.capacity)
     parser.add_argument("--eviction", default=MountConfig.eviction)
+    parser.add_argument("--metrics-port", type=int)
+    parser.add_argument("--events")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -153,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             cache_timeout=args.cache_timeout,
             capacity=args.capacity,
             eviction=args.eviction,
+            metrics_port=args.metrics_port,
+            events=args.events,
         )
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -56,8 +56,10 @@ from kvfs.index import ROOT_INO, Index, Node
 from kvfs.io_queues import DualQueuePool, Queue
 from kvfs.mount import control
 from kvfs.mount.bridge import IO, ByteBudget, Detached, Future
+from kvfs.mount.events import EventPublisher, block_of
 from kvfs.mount.eviction import Evictor
 from kvfs.mount.invalidator import Invalidator
+from kvfs.mount.metrics import TIMED_OPERATIONS, Metrics
 from kvfs.store import BackingStore, Published, fill_times
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,10 @@ class KvfsOperations(pyfuse3.Operations):
         self._control: dict[int, bytes] = {}  # open control files: their generated content
         self.lookups: defaultdict[int, Counter[str]] = defaultdict(Counter)  # per namespace
         self.counters: Counter[str] = Counter()  # reads, bytes_read, publishes, bytes_written
+        self.metrics = Metrics()
+        for name in TIMED_OPERATIONS:  # pyfuse3 calls the instance's attributes
+            setattr(self, name, self.metrics.timed(name, getattr(self, name)))
+        self.events = EventPublisher(cfg.events) if cfg.events else None
         self._next_fh = 1
         index.on_release = self._released
         self.deadline_expiries = 0
@@ -121,10 +127,39 @@ class KvfsOperations(pyfuse3.Operations):
             self._detached = Detached(nursery)
             nursery.start_soon(self._stop_on_signal)
             nursery.start_soon(self.evictor.sweep_forever)
+            nursery.start_soon(self._snapshot_forever)
+            if self.events is not None:
+                nursery.start_soon(self.events.flush_forever)
+            if self.cfg.metrics_port is not None:
+                self.metrics.snapshot = self.report(walk=False)
+                self.metrics.serve(self.cfg.metrics_port)
             await pyfuse3.main(min_tasks=4, max_tasks=128)
             nursery.cancel_scope.cancel()
 
+    async def _snapshot_forever(self) -> None:
+        """Refresh what /metrics serves (its HTTP thread must not walk the live index)."""
+        while True:
+            if self.cfg.metrics_port is not None:
+                self.metrics.snapshot = self.report(walk=False)
+            await trio.sleep(1)
+
+    def _chunk_event(self, node: Node, stored: bool) -> None:
+        """Tell routers a chunk appeared or went (only names that are chunk files)."""
+        if self.events is None or node.parent is None:
+            return
+        block = block_of(node.name, node.parent.name)
+        if block is None:
+            return
+        if stored:
+            top = namespaces.top_level(node)
+            config = namespaces.config_for(self.index, top) if top is not None else None
+            self.events.stored(*block, namespaces.tokens_per_chunk(config) or 0)
+        else:
+            self.events.removed(*block)
+
     def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
         self.invalidator.close()
         self.pool.shutdown()
         for handle in self._handles.values():
@@ -352,6 +387,7 @@ class KvfsOperations(pyfuse3.Operations):
                     raise FUSEError(errno.EISDIR)
                 if node.on_backing:
                     await self._retire(node, self._attached(node), replaced=False)
+                    self._chunk_event(node, stored=False)
                 self.index.detach(node)
 
         await self._bounded(op)
@@ -395,9 +431,14 @@ class KvfsOperations(pyfuse3.Operations):
                     await self._retire(target, new_rel, replaced=node.on_backing)
                 if node.on_backing:
                     await self.io.read(self.store.rename, self._attached(node), new_rel)
+                    self._chunk_event(node, stored=False)
                 if target is not None:
+                    if target.on_backing:
+                        self._chunk_event(target, stored=False)
                     self.index.detach(target)
                 self.index.move(node, new_parent, name_new)
+                if node.on_backing:
+                    self._chunk_event(node, stored=True)
 
         await self._bounded(op)
 
@@ -591,6 +632,7 @@ class KvfsOperations(pyfuse3.Operations):
             assert parent is not None
             dest = await self.io.read(self.store.quarantine, rel)
             node.on_backing = False
+            self._chunk_event(node, stored=False)
             self.index.detach(node)
         log.error(
             "quarantined %s to %s: %s",
@@ -724,6 +766,7 @@ class KvfsOperations(pyfuse3.Operations):
                 ws.dirty = False
                 self.counters["publishes"] += 1
                 self.counters["bytes_written"] += pub.size
+                self._chunk_event(node, stored=True)
         if pub.blocks != math.ceil(pub.size / 512):
             # The kernel may hold the st_blocks we gave while the file was dirty; `du` must see
             # the real ones. (Usually equal for chunk files: then the kernel keeps its cache and
@@ -753,6 +796,7 @@ class KvfsOperations(pyfuse3.Operations):
             parent = node.parent
             assert parent is not None
             await self._retire(node, self.index.path(node), replaced=False)
+            self._chunk_event(node, stored=False)
             self.index.detach(node)
         log.debug("evicted inode %d (%s)", node.ino, reason)
         self.invalidator.entry(parent.ino, node.name, node.ino)  # access() must tell the truth
