@@ -89,7 +89,7 @@ def _cmd_evict(args: argparse.Namespace) -> int:
 
 def _cmd_top(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a live view ends
-        inspect.top(args.mountpoint, args.interval, args.count)
+        inspect.top(args.mountpoint, args.interval, args.count, args.json)
     return 0
 
 
@@ -210,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("mountpoint", type=Path)
     live.add_argument("--interval", type=float, default=1.0)
     live.add_argument("--count", type=int, help="stop after this many lines")
+    live.add_argument("--json", action="store_true", help="one JSON object per line")
     live.set_defaults(run=_cmd_top)
 
     drop = commands.add_parser(

@@ -157,7 +157,7 @@ def rates(previous: dict[str, Any], current: dict[str, Any]) -> dict[str, float]
     }
 
 
-def top(mount: Path, interval: float, count: int | None) -> None:
+def top(mount: Path, interval: float, count: int | None, as_json: bool = False) -> None:
     """A live view: rates since the previous sample, and the current queues and usage."""
     previous = report(mount, walk=False)
     shown = 0
@@ -165,15 +165,29 @@ def top(mount: Path, interval: float, count: int | None) -> None:
         time.sleep(interval)
         current = report(mount, walk=False)
         r, q = rates(previous, current), current["queues"]
-        print(
-            f"{time.strftime('%H:%M:%S')}  reads {r['reads']:7.1f}/s "
-            f"{human(r['bytes_read'])}/s  writes {r['writes']:7.1f}/s "
-            f"{human(r['bytes_written'])}/s  hits {r['hits']:7.1f}/s  "
-            f"misses {r['misses']:7.1f}/s  evictions {r['evictions']:5.1f}/s  "
-            f"queues r{q['read']['waiting']}+{q['read']['running']} "
-            f"w{q['write']['waiting']}+{q['write']['running']}  "
-            f"used {human(current['used'])}/{human(current['capacity'])}",
-            flush=True,
-        )
+        if as_json:  # one object per line
+            print(
+                json.dumps(
+                    {
+                        "time": current["time"],
+                        "rates": r,
+                        "queues": q,
+                        "used": current["used"],
+                        "capacity": current["capacity"],
+                    }
+                ),
+                flush=True,
+            )
+        else:
+            print(
+                f"{time.strftime('%H:%M:%S')}  reads {r['reads']:7.1f}/s "
+                f"{human(r['bytes_read'])}/s  writes {r['writes']:7.1f}/s "
+                f"{human(r['bytes_written'])}/s  hits {r['hits']:7.1f}/s  "
+                f"misses {r['misses']:7.1f}/s  evictions {r['evictions']:5.1f}/s  "
+                f"queues r{q['read']['waiting']}+{q['read']['running']} "
+                f"w{q['write']['waiting']}+{q['write']['running']}  "
+                f"used {human(current['used'])}/{human(current['capacity'])}",
+                flush=True,
+            )
         previous = current
         shown += 1

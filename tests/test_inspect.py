@@ -81,28 +81,19 @@ def test_xattrs_ls_du_and_stat_report_exact_counts(fresh_mount: Mount) -> None:
 
 def test_top_shows_the_rates_of_a_workload(fresh_mount: Mount) -> None:
     store_two_namespaces(fresh_mount)
-    top = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvfs.cli",
-            "top",
-            str(fresh_mount.path),
-            "--interval",
-            "1",
-            "--count",
-            "2",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
+    live = [sys.executable, "-m", "kvfs.cli", "top", str(fresh_mount.path), "--interval", "1"]
+    text_view = subprocess.Popen([*live, "--count", "1"], stdout=subprocess.PIPE, text=True)
+    json_view = subprocess.Popen(
+        [*live, "--count", "2", "--json"], stdout=subprocess.PIPE, text=True
     )
     time.sleep(0.2)
     for key in range(20):
         vllm_io.store(vllm_io.chunk_path(str(fresh_mount.path), 100 + key), b"x" * CHUNK)
-    out, _ = top.communicate(timeout=30)
-    lines = out.strip().splitlines()
-    assert len(lines) == 2 and "writes" in lines[0]
-    assert any(float(line.split("writes")[1].split("/s")[0]) > 0 for line in lines)
+    lines = [json.loads(line) for line in json_view.communicate(timeout=30)[0].splitlines()]
+    assert len(lines) == 2
+    assert sum(line["rates"]["writes"] for line in lines) > 0
+    assert lines[-1]["used"] >= 20 * CHUNK and set(lines[-1]["queues"]) == {"read", "write"}
+    assert "writes" in text_view.communicate(timeout=30)[0]
 
 
 def test_evict_a_namespace_and_by_age(fresh_mount: Mount) -> None:
