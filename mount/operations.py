@@ -785,8 +785,14 @@ class KvfsOperations(pyfuse3.Operations):
         return await self.io.write(self.store.write_tmp, *args)
 
     def _busy(self, node: Node) -> bool:
-        """Files that eviction must leave alone: pinned, being written, or not on disk yet."""
-        return node.ino in self._writes or not node.on_backing or self.index.pinned(node)
+        """Files that eviction must leave alone: pinned, being written, not on disk yet, or a
+        namespace's config.json (tiny, and what names the model in every report)."""
+        return (
+            node.ino in self._writes
+            or not node.on_backing
+            or self.index.pinned(node)
+            or namespaces.is_namespace_config(node)
+        )
 
     async def _evict(self, node: Node, reason: str) -> bool:
         """Remove a file to make room. Its readers keep their bytes (see _retire)."""
@@ -937,7 +943,7 @@ class KvfsOperations(pyfuse3.Operations):
             top = self.index.child(self.index.root, value.encode())
             if top is None or not top.is_dir:
                 raise FUSEError(errno.ENOENT)
-            files = [f for f in self.index.walk_files(top) if f.name != namespaces.CONFIG_NAME]
+            files = list(self.index.walk_files(top))
         elif key == "older-than":
             try:
                 cutoff = time.time_ns() - int(float(value) * 1e9)

@@ -112,7 +112,8 @@ def test_evict_a_namespace_and_by_age(fresh_mount: Mount) -> None:
     fresh = vllm_io.chunk_path(str(fresh_mount.path), 50, namespace="qwen_bbbbbbbbbbbb")
     vllm_io.store(fresh, b"y" * CHUNK)
     result = json.loads(kvfs("evict", "--json", str(fresh_mount.path), "--older-than", "1s").stdout)
-    assert result["files"] == 4 + 2  # the four old qwen chunks and the two config files
+    assert result["files"] == 4  # the four old qwen chunks; config.json files never go
+    assert (fresh_mount.path / "qwen_bbbbbbbbbbbb" / "config.json").exists()
     assert os.access(fresh, os.F_OK)
     missing = kvfs("evict", str(fresh_mount.path), "--namespace", "nope", check=False)
     assert missing.returncode == 1 and "no namespace" in missing.stderr
