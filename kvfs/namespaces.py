@@ -75,35 +75,38 @@ def _iso(ns: int) -> str | None:
     return datetime.fromtimestamp(ns / 1e9, UTC).isoformat(timespec="seconds") if ns else None
 
 
+def summary(index: Index, top: Node) -> dict[str, Any]:
+    """What the index knows of one namespace, without a walk."""
+    config = config_for(index, top) or {}
+    per_chunk = tokens_per_chunk(config)
+    chunks = top.tree_files - (1 if top.meta is not None else 0)  # not its config.json
+    return {
+        "namespace": top.name.decode(errors="replace"),
+        "model": config.get("model_name"),
+        "dtype": config.get("dtype"),
+        "tokens_per_chunk": per_chunk,
+        "chunks": chunks,
+        "bytes": top.tree_bytes,
+        "tokens": chunks * per_chunk if per_chunk else None,
+    }
+
+
 def namespaces(
     index: Index, lookups: dict[int, Counter[str]], walk: bool
 ) -> Iterator[dict[str, Any]]:
-    """One report per directory at the root. ``walk`` adds what needs every file (hits, oldest
-    and newest read); without it the report is O(namespaces)."""
+    """One report per directory at the root. ``walk`` adds what needs every file (reads,
+    oldest and newest read); without it the report is O(namespaces)."""
     assert index.root.children is not None
-    for name, top in sorted(index.root.children.items()):
+    for _, top in sorted(index.root.children.items()):
         if not top.is_dir:
             continue
-        config = config_for(index, top)
-        per_chunk = tokens_per_chunk(config)
-        chunks = top.tree_files - (1 if top.meta is not None else 0)  # not its config.json
+        report = summary(index, top)
         counts = lookups.get(top.ino, Counter())
         asked = counts["hit"] + counts["miss"]
-        report: dict[str, Any] = {
-            "namespace": name.decode(errors="replace"),
-            "model": (config or {}).get("model_name"),
-            "dtype": (config or {}).get("dtype"),
-            "tokens_per_chunk": per_chunk,
-            "chunks": chunks,
-            "bytes": top.tree_bytes,
-            "tokens": chunks * per_chunk if per_chunk else None,
-            "lookups": asked,
-            "hit_rate": counts["hit"] / asked if asked else None,
-        }
+        report["lookups"] = asked
+        report["hit_rate"] = counts["hit"] / asked if asked else None
         if walk:
-            files = [
-                f for f in index.walk_files(top) if f.name != CONFIG_NAME or f.parent is not top
-            ]
+            files = [f for f in index.walk_files(top) if not is_namespace_config(f)]
             reads = [f.last_read_ns for f in files if f.last_read_ns]
             report["reads"] = sum(f.hits for f in files)
             report["oldest_read"] = _iso(min(reads)) if reads else None

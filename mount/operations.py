@@ -966,14 +966,12 @@ class KvfsOperations(pyfuse3.Operations):
         """Attributes the daemon answers from memory (the kernel never caches xattrs)."""
         values = {b"user.kvfs.pinned": b"1" if node.pinned else b"0"}
         if node.is_dir and node.parent is not None and node.parent.ino == ROOT_INO:
-            config = namespaces.config_for(self.index, node) or {}
-            per_chunk = namespaces.tokens_per_chunk(config)
-            chunks = node.tree_files - (1 if node.meta is not None else 0)
-            values[b"user.kvfs.model"] = str(config.get("model_name", node.name.decode())).encode()
-            values[b"user.kvfs.chunks"] = b"%d" % chunks
-            values[b"user.kvfs.bytes"] = b"%d" % node.tree_bytes
-            if per_chunk:
-                values[b"user.kvfs.tokens"] = b"%d" % (chunks * per_chunk)
+            ns = namespaces.summary(self.index, node)
+            values[b"user.kvfs.model"] = str(ns["model"] or ns["namespace"]).encode()
+            values[b"user.kvfs.chunks"] = b"%d" % ns["chunks"]
+            values[b"user.kvfs.bytes"] = b"%d" % ns["bytes"]
+            if ns["tokens"] is not None:
+                values[b"user.kvfs.tokens"] = b"%d" % ns["tokens"]
         if not node.is_dir:
             if node.checksum is not None:
                 values[b"user.kvfs.checksum"] = node.checksum.encode()
@@ -982,11 +980,9 @@ class KvfsOperations(pyfuse3.Operations):
                 stamp = datetime.fromtimestamp(node.last_read_ns / 1e9, UTC)
                 values[b"user.kvfs.last_read"] = stamp.isoformat(timespec="milliseconds").encode()
         if node.ino == ROOT_INO:
-            values[b"user.kvfs.pid"] = b"%d" % os.getpid()
+            report = self.report(walk=False)
             values[b"user.kvfs.backing"] = self.store.root
-            values[b"user.kvfs.capacity"] = b"%d" % self.evictor.capacity
-            values[b"user.kvfs.used"] = b"%d" % self.evictor.used
-            values[b"user.kvfs.evictions"] = b"%d" % self.evictor.evictions.total()
-            values[b"user.kvfs.checksum_failures"] = b"%d" % self.checksum_failures
-            values[b"user.kvfs.deadline_expiries"] = b"%d" % self.deadline_expiries
+            for key in ("pid", "capacity", "used", "checksum_failures", "deadline_expiries"):
+                values[b"user.kvfs." + key.encode()] = b"%d" % report[key]
+            values[b"user.kvfs.evictions"] = b"%d" % sum(report["evictions"].values())
         return values
