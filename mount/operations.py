@@ -897,9 +897,11 @@ class KvfsOperations(pyfuse3.Operations):
         st = await self._bounded(partial(self.io.read, self.store.statvfs))
         out = pyfuse3.StatvfsData()
         out.f_bsize = out.f_frsize = ALIGN
-        free = min(self.evictor.free, st.f_bavail * st.f_frsize)
+        # df's Used is blocks - bfree: kvfs's own usage. Avail is what a writer can still get,
+        # which the disk may cap below the capacity (other data on it).
         out.f_blocks = self.evictor.capacity // ALIGN
-        out.f_bfree = out.f_bavail = free // ALIGN
+        out.f_bfree = self.evictor.free // ALIGN
+        out.f_bavail = min(self.evictor.free, st.f_bavail * st.f_frsize) // ALIGN
         out.f_files, out.f_ffree, out.f_favail = st.f_files, st.f_ffree, st.f_favail
         out.f_namemax = layout.NAME_MAX
         return out
