@@ -80,8 +80,13 @@ class Evictor:
             await self._sweep_wanted.wait()
             self._sweep_wanted = trio.Event()
             before, count = self.used, 0
-            while self.used > LOW_WATERMARK * self.capacity and await self._evict_one("watermark"):
-                count += 1
+            try:
+                while self.used > LOW_WATERMARK * self.capacity and await self._evict_one(
+                    "watermark"
+                ):
+                    count += 1
+            except (OSError, FUSEError) as err:  # the backing store failed one: try next time
+                log.warning("eviction sweep stopped: %s", err)
             if count:
                 log.info(
                     "eviction sweep: %d files, %d bytes; %d of %d bytes used",
@@ -104,7 +109,8 @@ class Evictor:
             try:
                 removed = await self._remove(node, reason)
             except BaseException:
-                policy.insert(ino, node.size)  # still there: keep it evictable
+                if node.attached:  # still there: keep it evictable
+                    policy.insert(ino, node.size)
                 raise
             if removed:
                 self.evictions[reason] += 1

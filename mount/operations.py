@@ -177,10 +177,26 @@ class KvfsOperations(pyfuse3.Operations):
 
     # -- helpers ----------------------------------------------------------------------------
 
-    async def _bounded(self, fn: Callable[[], Awaitable[T]]) -> T:
-        """Run an operation to completion in its own task; wait for it at most io_timeout."""
+    async def _bounded(
+        self, fn: Callable[[], Awaitable[T]], undo: Callable[[T], None] | None = None
+    ) -> T:
+        """Run an operation to completion in its own task; wait for it at most io_timeout.
+
+        ``undo`` releases what the operation acquired if it completes after its caller gave up
+        (an fd, a writer count): nobody will use it then.
+        """
         future = self._detached.start(fn)
-        return await self._wait(future)
+        try:
+            return await self._wait(future)
+        except FUSEError:
+            if undo is not None and not future.done:
+                self._detached.start(partial(self._undo_late, future, undo))
+            raise
+
+    @staticmethod
+    async def _undo_late(future: Future[T], undo: Callable[[T], None]) -> None:
+        with contextlib.suppress(Exception):  # it failed after all: nothing to undo
+            undo(await future.wait())
 
     async def _wait(self, future: Future[T]) -> T:
         try:
@@ -522,19 +538,33 @@ class KvfsOperations(pyfuse3.Operations):
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         parent = self._dir(parent_inode)
         self._check_name(parent, name)
-        existing = self.index.child(parent, name)
-        if existing is not None:
-            if flags & os.O_EXCL:
-                raise FUSEError(errno.EEXIST)
-            existing.lookups += 1
-            return await self.open(existing.ino, flags, ctx), self._attrs(existing)
-        if not parent.attached:
-            raise FUSEError(errno.ENOENT)
-        node = self.index.new_node(name, stat.S_IFREG | (mode & 0o7777), ctx.uid, ctx.gid)
-        node.atime_ns = node.mtime_ns = node.ctime_ns = time.time_ns()
-        self.index.attach(parent, name, node)
-        # Visible at once, published on close: until then the name holds an empty buffer.
-        self._writes[node.ino] = WriteState(ChunkBuffer(self.extents), dirty=True, writers=1)
+
+        async def op() -> tuple[Node, bool]:
+            # Under the lock: mkdir/rename/rmdir check a name, await the disk, then change the
+            # index, and a create must not slip in between.
+            async with self._ns:
+                existing = self.index.child(parent, name)
+                if existing is not None:
+                    if flags & os.O_EXCL:
+                        raise FUSEError(errno.EEXIST)
+                    return existing, False
+                if not parent.attached:
+                    raise FUSEError(errno.ENOENT)
+                node = self.index.new_node(name, stat.S_IFREG | (mode & 0o7777), ctx.uid, ctx.gid)
+                node.atime_ns = node.mtime_ns = node.ctime_ns = time.time_ns()
+                self.index.attach(parent, name, node)
+                # Visible at once, published on close: until then the name holds an empty buffer.
+                self._writes[node.ino] = WriteState(
+                    ChunkBuffer(self.extents), dirty=True, writers=1
+                )
+                return node, True
+
+        node, created = await self._bounded(
+            op, undo=lambda result: self._drop_writer(result[0]) if result[1] else None
+        )
+        if not created:
+            node.lookups += 1
+            return await self.open(node.ino, flags, ctx), self._attrs(node)
         fh = self._new_fh(Handle(node, writable=True))
         node.lookups += 1
         return pyfuse3.FileInfo(fh=fh, keep_cache=False), self._attrs(node)
@@ -551,11 +581,14 @@ class KvfsOperations(pyfuse3.Operations):
         if node.is_dir:
             raise FUSEError(errno.EISDIR)
         if flags & os.O_ACCMODE != os.O_RDONLY:
-            await self._bounded(partial(self._open_for_write, node, bool(flags & os.O_TRUNC)))
+            await self._bounded(
+                partial(self._open_for_write, node, bool(flags & os.O_TRUNC)),
+                undo=lambda _: self._drop_writer(node),
+            )
             return pyfuse3.FileInfo(fh=self._new_fh(Handle(node, writable=True)), keep_cache=False)
         handle = Handle(node, writable=False)
         if node.ino not in self._writes and node.on_backing:
-            handle.fd = await self._bounded(partial(self._open_backing, node))
+            handle.fd = await self._bounded(partial(self._open_backing, node), undo=os.close)
             # A read, for eviction: counted at open, since the kernel's page cache may answer
             # the reads themselves. Persisted so that the order survives a restart.
             self.index.read(node, time.time_ns())
@@ -593,7 +626,8 @@ class KvfsOperations(pyfuse3.Operations):
                             self.budget.release(held)
                             raise
                 except BaseException:
-                    self._drop_write_state(node)
+                    if ws.writers == 0:  # nobody else joined while it loaded
+                        self._drop_write_state(node)
                     raise
         ws.writers += 1
         if truncate:
@@ -679,8 +713,19 @@ class KvfsOperations(pyfuse3.Operations):
     async def _reserve(self, ws: WriteState, end: int) -> None:
         """Take budget for the extents a write up to ``end`` adds (waiting, never failing)."""
         extra = ws.buffer.extra_extents(end)
-        if extra:
+        if not extra:
+            return
+        if self.cfg.io_timeout is None:
             await self.budget.acquire(extra * EXTENT)
+            return
+        # Writers wait for memory; but if every holder waits for more (the budget is split
+        # among many half-written files), nobody could ever go on: past the deadline, EIO.
+        with trio.move_on_after(self.cfg.io_timeout):
+            await self.budget.acquire(extra * EXTENT)
+            return
+        self.deadline_expiries += 1
+        log.warning("a write waited %.1fs for buffer memory: EIO", self.cfg.io_timeout)
+        raise FUSEError(errno.EIO)
 
     def _resize(self, ws: WriteState, size: int) -> None:
         """Truncate a buffer (budget reserved beforehand if it grows; returned if it shrinks)."""
@@ -719,22 +764,37 @@ class KvfsOperations(pyfuse3.Operations):
         handle = self._handles.pop(fh)
         node = handle.node
         node.open_count -= 1
-        if handle.fd is not None:
-            os.close(handle.fd)
-        if handle.content is not None and handle.content.done:
-            with contextlib.suppress(Exception):  # a failed load holds nothing
-                (await handle.content.wait()).release()
+        if handle.content is not None and not handle.content.done:
+            # A load that outlived its READ's deadline still uses the fd: let it finish first.
+            self._detached.start(partial(self._close_reader, handle))
+        else:
+            await self._close_reader(handle)
         ws = self._writes.get(node.ino)
         if handle.writable and ws is not None:
+            if ws.writers == 1 and ws.dirty:  # not flushed (or flush failed): last chance
+                try:
+                    await self._bounded(partial(self._publish, node))
+                except FUSEError as err:
+                    log.warning("publish of inode %d failed at release: %s", node.ino, err)
+            async with ws.lock:  # a publish that outlived its deadline still reads the buffer
+                self._drop_writer(node)
+        self.index.release_if_unused(node)
+
+    async def _close_reader(self, handle: Handle) -> None:
+        if handle.content is not None:
+            with contextlib.suppress(Exception):  # a failed load holds nothing
+                (await handle.content.wait()).release()
+        if handle.fd is not None:
+            os.close(handle.fd)
+            handle.fd = None
+
+    def _drop_writer(self, node: Node) -> None:
+        """One writer less; the last one takes the write state (and its memory) away."""
+        ws = self._writes.get(node.ino)
+        if ws is not None:
             ws.writers -= 1
             if ws.writers == 0:
-                if ws.dirty:  # not flushed (or flush failed): last chance, nobody to tell
-                    try:
-                        await self._bounded(partial(self._publish, node))
-                    except FUSEError as err:
-                        log.warning("publish of inode %d failed at release: %s", node.ino, err)
                 self._drop_write_state(node)
-        self.index.release_if_unused(node)
 
     async def _publish(self, node: Node, durable: bool = False) -> None:
         ws = self._writes[node.ino]
@@ -743,30 +803,33 @@ class KvfsOperations(pyfuse3.Operations):
                 return
             held = await self.evictor.reserve(ws.buffer.size)
             try:
-                pub = await self._write_tmp(node, ws.buffer, durable)
-            finally:
+                await self._publish_reserved(node, ws, durable)
+            finally:  # after set_published: the bytes are counted in one place at all times
                 self.evictor.release(held)
-            async with self._ns:
-                if not node.attached:  # unlinked while open: the bytes have no name to take
-                    await self.io.read(self.store.discard, pub.tmp)
-                    ws.dirty = False
-                    return
-                try:
-                    await self.io.read(self.store.rename, pub.tmp, self.index.path(node))
-                except BaseException:
-                    await self.io.read(self.store.discard, pub.tmp)
-                    raise
-                node.on_backing = True
-                node.checksum = pub.checksum
-                if not node.hits:  # never read: as recent as its write (what a restart sees)
-                    node.last_read_ns = node.mtime_ns
-                if namespaces.is_namespace_config(node) and node.parent is not None:
-                    node.parent.meta = namespaces.parse_config(b"".join(ws.buffer.views()))
-                self.index.set_published(node, pub.size, pub.blocks)
+
+    async def _publish_reserved(self, node: Node, ws: WriteState, durable: bool) -> None:
+        pub = await self._write_tmp(node, ws.buffer, durable)
+        async with self._ns:
+            if not node.attached:  # unlinked while open: the bytes have no name to take
+                await self.io.read(self.store.discard, pub.tmp)
                 ws.dirty = False
-                self.counters["publishes"] += 1
-                self.counters["bytes_written"] += pub.size
-                self._chunk_event(node, stored=True)
+                return
+            try:
+                await self.io.read(self.store.rename, pub.tmp, self.index.path(node))
+            except BaseException:
+                await self.io.read(self.store.discard, pub.tmp)
+                raise
+            node.on_backing = True
+            node.checksum = pub.checksum
+            if not node.hits:  # never read: as recent as its write (what a restart sees)
+                node.last_read_ns = node.mtime_ns
+            if namespaces.is_namespace_config(node) and node.parent is not None:
+                node.parent.meta = namespaces.parse_config(b"".join(ws.buffer.views()))
+            self.index.set_published(node, pub.size, pub.blocks)
+            ws.dirty = False
+            self.counters["publishes"] += 1
+            self.counters["bytes_written"] += pub.size
+            self._chunk_event(node, stored=True)
         if pub.blocks != math.ceil(pub.size / 512):
             # The kernel may hold the st_blocks we gave while the file was dirty; `du` must see
             # the real ones. (Usually equal for chunk files: then the kernel keeps its cache and
@@ -801,7 +864,10 @@ class KvfsOperations(pyfuse3.Operations):
                 return False
             parent = node.parent
             assert parent is not None
-            await self._retire(node, self.index.path(node), replaced=False)
+            try:
+                await self._retire(node, self.index.path(node), replaced=False)
+            except FileNotFoundError:  # deleted around the mount: nothing left to delete
+                node.on_backing = False
             self._chunk_event(node, stored=False)
             self.index.detach(node)
         log.debug("evicted inode %d (%s)", node.ino, reason)
@@ -887,8 +953,7 @@ class KvfsOperations(pyfuse3.Operations):
                 await self._publish(node)
         finally:
             if standalone:
-                ws.writers -= 1
-                self._drop_write_state(node)
+                self._drop_writer(node)
 
     # -- filesystem -------------------------------------------------------------------------
 
@@ -949,7 +1014,7 @@ class KvfsOperations(pyfuse3.Operations):
         elif key == "older-than":
             try:
                 cutoff = time.time_ns() - int(float(value) * 1e9)
-            except ValueError:
+            except (ValueError, OverflowError):
                 raise FUSEError(errno.EINVAL) from None
             files = [f for f in self.index.walk_files() if f.last_read_ns < cutoff]
         else:

@@ -85,6 +85,19 @@ def test_filling_past_capacity_evicts_the_least_recently_read_and_keeps_pinned(
     assert (st.f_blocks - st.f_bfree) * st.f_frsize == used(small_mount)
 
 
+def test_chunks_deleted_around_the_mount_do_not_stop_eviction(small_mount: Mount) -> None:
+    for key in range(8):
+        store(small_mount, key)
+    for key in range(4):  # gone from the backing directory behind the daemon's back
+        os.unlink(
+            path(small_mount, key).replace(str(small_mount.path), str(small_mount.backing), 1)
+        )
+    for key in range(8, 40):
+        store(small_mount, key)
+    assert used(small_mount) <= CAPACITY
+    read(small_mount, 39)
+
+
 def test_eviction_never_disturbs_an_open_reader(small_mount: Mount) -> None:
     store(small_mount, 0)
     with open(path(small_mount, 0), "rb") as reader:
