@@ -115,9 +115,8 @@ class Evictor:
             if removed:
                 self.evictions[reason] += 1
                 return True
-            if node.attached:  # it became busy meanwhile: keep it, try again later
+            if node.attached:  # it became busy meanwhile: keep it (now exempt), pick another
                 policy.insert(ino, node.size)
-            return False
 
     def _exempt_ino(self, ino: int) -> bool:
         node = self.index.get(ino)
