@@ -17,8 +17,8 @@ test: apt $(VENV)/.test lint
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.test
-	$(VENV)/bin/ruff check kvfs mount tests tools
-	$(VENV)/bin/ruff format --check kvfs mount tests tools
+	$(VENV)/bin/ruff check kvfs mount connector tests tools
+	$(VENV)/bin/ruff format --check kvfs mount connector tests tools
 	$(VENV)/bin/mypy
 
 apt:
@@ -39,7 +39,7 @@ $(VENV)/.mount: pyproject.toml | $(VENV)/bin/python
 # vLLM's own fs-tier code for the interop tests: its import-time packages, then vLLM itself
 # without its dependency list (which would pull a CUDA build of torch).
 $(VENV)/.test: pyproject.toml requirements/vllm.txt $(VENV)/.mount
-	$(VENV)/bin/pip install -q -e '.[mount,dev]' $(TORCH) -r requirements/vllm.txt
+	$(VENV)/bin/pip install -q -e '.[mount,connector,dev]' $(TORCH) -r requirements/vllm.txt
 	$(VENV)/bin/pip install -q --no-deps $(VLLM)
 	touch $@
 

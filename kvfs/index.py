@@ -90,7 +90,7 @@ class Index:
     """The tree of nodes plus the inode table. Single-threaded: the daemon's event loop owns it."""
 
     def __init__(
-        self, root_mode: int = stat.S_IFDIR | 0o755, policy: EvictionPolicy | None = None
+        self, root_mode: int = stat.S_IFDIR | 0o755, policy: EvictionPolicy[int] | None = None
     ) -> None:
         self.root = Node(ROOT_INO, b"", root_mode)
         self.by_ino: dict[int, Node] = {ROOT_INO: self.root}

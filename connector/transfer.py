@@ -1,0 +1,401 @@
+"""Batched, asynchronous copies between paged KV tensors and host chunk slots.
+
+One engine per worker (TP rank). A store gathers the job's device blocks, layer by layer, into
+a device staging buffer already in the canonical page order (one gather kernel per layer, the
+NHD or HND device order folded into the gather), then copies the rank's runs into the host
+slots; at TP=1 a chunk is one contiguous copy. A load runs the same steps backwards.
+
+With CUDA the copies go on two dedicated streams (stores, loads), ordered after the work
+already queued on the caller's stream by an event, and each job records an event at its end:
+submitting never waits for the device, and ``get_finished`` only queries events. The host
+region must be pinned (``host_memory.pin``) for the copies to be DMA. Without CUDA the same
+steps run on CPU tensors in one worker thread per direction.
+
+Contract with the caller (vLLM's worker contract): a stored job's device blocks stay untouched
+until the job is reported finished, and may be freed at once then; a load is submitted only
+for chunks already in the host slots, into device blocks allocated just before, and they are
+valid once the job is reported finished. A job that fails is reported with success False; its
+slots (store) or blocks (load) hold partial data and must be dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvfs.geometry import ChunkLayout, GeometryError, GroupGeometry, LayerKind, Run
+
+log = logging.getLogger(__name__)
+
+KV_LAYOUTS = ("NHD", "HND")
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    job_id: int
+    success: bool
+    bytes: int
+    seconds: float
+    error: str | None = None
+
+
+@dataclass
+class _GroupPlan:
+    spec: GroupGeometry
+    canon: list[torch.Tensor]  # per layer: uint8 view (num_blocks, *local page), canonical order
+    runs: list[Run]  # this rank's runs over a chunk
+    writes: Callable[[int], bool]  # does this rank write chunk slot s (replicated bytes)
+    local_page_bytes: int
+    num_blocks: int
+
+
+@dataclass
+class _Job:
+    job_id: int
+    bytes: int
+    pending: _Pending
+    keep: list[Any] = field(default_factory=list)  # tensors the device still reads or writes
+
+
+class _Pending:
+    """A job's work in flight on a lane."""
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        raise NotImplementedError
+
+    def outcome(self) -> tuple[float, BaseException | None]:
+        """(seconds the work took, its error); only once done."""
+        raise NotImplementedError
+
+
+class _CudaPending(_Pending):
+    def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        self._start, self._end = start, end
+
+    def done(self) -> bool:
+        return bool(self._end.query())
+
+    def wait(self) -> None:
+        self._end.synchronize()
+
+    def outcome(self) -> tuple[float, BaseException | None]:
+        return self._start.elapsed_time(self._end) / 1e3, None
+
+
+class _ThreadPending(_Pending):
+    def __init__(self, future: Future[float]) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        self._future.exception()
+
+    def outcome(self) -> tuple[float, BaseException | None]:
+        error = self._future.exception()
+        return (0.0 if error else self._future.result()), error
+
+
+class _Failed(_Pending):
+    def __init__(self, error: BaseException) -> None:
+        self._error = error
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return
+
+    def outcome(self) -> tuple[float, BaseException | None]:
+        return 0.0, self._error
+
+
+class _Lane:
+    """Where one direction's copies run: a CUDA stream, or a worker thread on CPU."""
+
+    def __init__(self, device: torch.device, name: str) -> None:
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._thread = (
+            None if self._stream else ThreadPoolExecutor(1, thread_name_prefix=f"kvfs-{name}")
+        )
+
+    def submit(self, work: Callable[[], None]) -> _Pending:
+        if self._stream is None:
+            assert self._thread is not None
+            return _ThreadPending(self._thread.submit(_timed, work))
+        queued = torch.cuda.Event()
+        # The caller's stream: what it queued on these blocks (the forward pass) comes first.
+        queued.record(torch.cuda.current_stream(self.device))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(queued)
+            start.record(self._stream)
+            try:
+                work()
+            except BaseException as err:
+                self._stream.synchronize()  # nothing of the failed job may still be running
+                return _Failed(err)
+            end.record(self._stream)
+        return _CudaPending(start, end)
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+        elif self._stream is not None:
+            self._stream.synchronize()
+
+
+def _timed(work: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
+class TransferEngine:
+    """Device <-> host copies for one rank of ``tp_size``.
+
+    ``kv_caches`` maps every layer of the geometry to its paged tensor on this rank:
+
+    - attention, ``kv_layout`` NHD: (num_blocks, 2, tokens_per_block, local_heads, head_size);
+      HND: (num_blocks, 2, local_heads, tokens_per_block, head_size)
+    - MLA: (num_blocks, tokens_per_block, latent width), every rank the whole latent
+    - Mamba: (num_blocks, ...), this rank's state bytes per block, contiguous
+
+    ``host`` is the host region as a uint8 tensor of shape (num_slots, chunk_bytes).
+    """
+
+    def __init__(
+        self,
+        layout: ChunkLayout,
+        kv_caches: Mapping[str, torch.Tensor],
+        host: torch.Tensor,
+        tp_size: int = 1,
+        rank: int = 0,
+        kv_layout: str = "NHD",
+    ) -> None:
+        if kv_layout not in KV_LAYOUTS:
+            raise GeometryError(f"kv_layout {kv_layout!r}: choose one of {', '.join(KV_LAYOUTS)}")
+        if host.dtype != torch.uint8 or host.dim() != 2 or host.device.type != "cpu":
+            raise GeometryError("host must be a uint8 CPU tensor of shape (num_slots, chunk_bytes)")
+        if host.shape[1] != layout.chunk_bytes:
+            raise GeometryError(
+                f"host slots hold {host.shape[1]} bytes; this geometry's chunk is "
+                f"{layout.chunk_bytes} bytes"
+            )
+        known = {n for g in layout.geometry.groups for n in g.layer_names}
+        if missing := sorted(known - kv_caches.keys()):
+            raise GeometryError(f"kv_caches has no tensor for layers {missing}")
+        if extra := sorted(kv_caches.keys() - known):
+            raise GeometryError(f"kv_caches has layers the geometry does not describe: {extra}")
+        devices = {t.device for t in kv_caches.values()}
+        if len(devices) != 1:
+            raise GeometryError(f"kv_caches are on several devices: {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        self.layout = layout
+        self.host = host
+        self.tp_size, self.rank = tp_size, rank
+        self._plans = [
+            self._plan(layout, g, kv_caches, kv_layout) for g in range(len(layout.geometry.groups))
+        ]
+        self._stores = _Lane(self.device, "store")
+        self._loads = _Lane(self.device, "load")
+        self._jobs: dict[int, _Job] = {}
+
+    def _plan(
+        self, layout: ChunkLayout, group: int, kv_caches: Mapping[str, torch.Tensor], order: str
+    ) -> _GroupPlan:
+        spec = layout.group(group)
+        share = layout.rank_share(group, self.tp_size, self.rank)
+        canon = [
+            _canonical_view(
+                spec, name, kv_caches[name], share.local_heads, share.local_page_bytes, order
+            )
+            for name in spec.layer_names
+        ]
+        blocks = {view.shape[0] for view in canon}
+        if len(blocks) != 1:
+            raise GeometryError(f"the {spec.kind.value} layers have different block counts")
+        return _GroupPlan(
+            spec=spec,
+            canon=canon,
+            runs=layout.row_runs(group, share),
+            writes=share.writes,
+            local_page_bytes=share.local_page_bytes,
+            num_blocks=blocks.pop(),
+        )
+
+    # -- submitting -------------------------------------------------------------------------
+
+    def submit_store(
+        self, job_id: int, group: int, slots: Sequence[int], block_ids: Sequence[int]
+    ) -> None:
+        """Copy chunks from device blocks into host ``slots``: chunk i is
+        ``block_ids[i * blocks_per_chunk : (i + 1) * blocks_per_chunk]``."""
+        plan, slots, idx = self._validate(job_id, group, slots, block_ids)
+        staging = torch.empty(
+            (len(slots), len(plan.canon), self.layout.blocks_per_chunk, plan.local_page_bytes),
+            dtype=torch.uint8,
+            device=self.device,
+        )
+        writing = [s for s in slots if plan.writes(s)]
+
+        def work() -> None:
+            index = idx.to(self.device, non_blocking=True)
+            n, bpc = len(slots), self.layout.blocks_per_chunk
+            for layer, canon in enumerate(plan.canon):
+                gathered = canon.index_select(0, index)
+                staging[:, layer].copy_(gathered.reshape(n, bpc, -1))
+            flat = staging.view(len(slots), -1)
+            chunks = [flat[i] for i, s in enumerate(slots) if plan.writes(s)]
+            self._copy_runs(plan.runs, [self.host[s] for s in writing], chunks, to_host=True)
+
+        moved = len(writing) * sum(run.length for run in plan.runs)
+        self._start(job_id, moved, self._stores, work, [staging, idx])
+
+    def submit_load(
+        self, job_id: int, group: int, slots: Sequence[int], block_ids: Sequence[int]
+    ) -> None:
+        """Copy chunks from host ``slots`` into device blocks (laid out as in submit_store)."""
+        plan, slots, idx = self._validate(job_id, group, slots, block_ids)
+        n, bpc = len(slots), self.layout.blocks_per_chunk
+        staging = torch.empty(
+            (n, len(plan.canon), bpc, plan.local_page_bytes), dtype=torch.uint8, device=self.device
+        )
+
+        def work() -> None:
+            index = idx.to(self.device, non_blocking=True)
+            flat = staging.view(n, -1)
+            self._copy_runs(plan.runs, [self.host[s] for s in slots], list(flat), to_host=False)
+            for layer, canon in enumerate(plan.canon):
+                pages = staging[:, layer].reshape(n * bpc, *canon.shape[1:])
+                canon.index_copy_(0, index, pages)
+
+        moved = n * sum(run.length for run in plan.runs)
+        self._start(job_id, moved, self._loads, work, [staging, idx])
+
+    def _validate(
+        self, job_id: int, group: int, slots: Sequence[int], block_ids: Sequence[int]
+    ) -> tuple[_GroupPlan, list[int], torch.Tensor]:
+        if job_id in self._jobs:
+            raise ValueError(f"job {job_id} is already in flight")
+        if not 0 <= group < len(self._plans):
+            raise ValueError(f"group {group}: the geometry has {len(self._plans)} groups")
+        plan = self._plans[group]
+        slots = [int(s) for s in slots]
+        blocks = [int(b) for b in block_ids]
+        if not slots:
+            raise ValueError("a transfer needs at least one chunk")
+        if len(blocks) != len(slots) * self.layout.blocks_per_chunk:
+            raise ValueError(
+                f"{len(slots)} chunks of {self.layout.blocks_per_chunk} blocks need "
+                f"{len(slots) * self.layout.blocks_per_chunk} block ids, not {len(blocks)}"
+            )
+        if len(set(slots)) != len(slots) or not all(0 <= s < self.host.shape[0] for s in slots):
+            raise ValueError(f"slots must be distinct and within 0..{self.host.shape[0] - 1}")
+        if len(set(blocks)) != len(blocks) or not all(0 <= b < plan.num_blocks for b in blocks):
+            raise ValueError(f"block ids must be distinct and within 0..{plan.num_blocks - 1}")
+        idx = torch.tensor(blocks, dtype=torch.int64)
+        if self.device.type == "cuda":
+            idx = idx.pin_memory()
+        return plan, slots, idx
+
+    def _start(
+        self, job_id: int, moved: int, lane: _Lane, work: Callable[[], None], keep: list[Any]
+    ) -> None:
+        self._jobs[job_id] = _Job(job_id, moved, lane.submit(work), keep)
+
+    @staticmethod
+    def _copy_runs(
+        runs: list[Run], rows: list[torch.Tensor], chunks: list[torch.Tensor], to_host: bool
+    ) -> None:
+        """Every run of every chunk between a host row and the chunk's staging bytes."""
+        host_parts, staged_parts = [], []
+        for row, chunk in zip(rows, chunks, strict=True):
+            for run in runs:
+                host_parts.append(row[run.page_offset : run.page_offset + run.length])
+                staged_parts.append(chunk[run.local_offset : run.local_offset + run.length])
+        if not host_parts:
+            return
+        if to_host:
+            torch._foreach_copy_(host_parts, staged_parts, non_blocking=True)
+        else:
+            torch._foreach_copy_(staged_parts, host_parts, non_blocking=True)
+
+    # -- completion -------------------------------------------------------------------------
+
+    def get_finished(self) -> list[TransferResult]:
+        """Jobs finished since the last call; never waits."""
+        finished = [job for job in self._jobs.values() if job.pending.done()]
+        return [self._report(job) for job in finished]
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until these jobs are done; they are still reported by get_finished."""
+        for job_id in job_ids:
+            if (job := self._jobs.get(job_id)) is not None:
+                job.pending.wait()
+
+    def _report(self, job: _Job) -> TransferResult:
+        del self._jobs[job.job_id]
+        seconds, error = job.pending.outcome()
+        if error is not None:
+            log.warning("transfer job %d failed: %s", job.job_id, error)
+            return TransferResult(job.job_id, False, 0, seconds, str(error))
+        return TransferResult(job.job_id, True, job.bytes, seconds)
+
+    def shutdown(self) -> None:
+        self._stores.shutdown()
+        self._loads.shutdown()
+
+
+def _canonical_view(
+    spec: GroupGeometry,
+    name: str,
+    tensor: torch.Tensor,
+    local_heads: int,
+    local_page_bytes: int,
+    order: str,
+) -> torch.Tensor:
+    """The layer's tensor as uint8 (num_blocks, *page) in canonical byte order: a view, so a
+    gather from it writes canonical pages and a scatter into it writes the device's order."""
+    tokens = spec.tokens_per_block
+    if spec.kind is LayerKind.MAMBA:
+        if not tensor.is_contiguous() or tensor.dim() < 1:
+            raise GeometryError(f"layer {name}: a Mamba state tensor must be contiguous")
+        flat = tensor.view(torch.uint8).reshape(tensor.shape[0], -1)
+        if flat.shape[1] != local_page_bytes:
+            raise GeometryError(
+                f"layer {name}: {flat.shape[1]} state bytes per block on this rank, "
+                f"the geometry says {local_page_bytes}"
+            )
+        return flat
+    dtype = getattr(torch, spec.dtype)
+    if tensor.dtype != dtype:
+        raise GeometryError(f"layer {name}: dtype {tensor.dtype}, the geometry says {dtype}")
+    if spec.kind is LayerKind.MLA:
+        want: tuple[int, ...] = (tokens, spec.head_size)
+    elif order == "NHD":
+        want = (2, tokens, local_heads, spec.head_size)
+    else:
+        want = (2, local_heads, tokens, spec.head_size)
+    if tensor.dim() != 1 + len(want) or tuple(tensor.shape[1:]) != want:
+        raise GeometryError(
+            f"layer {name}: shape {tuple(tensor.shape)}, expected (num_blocks, "
+            f"{', '.join(map(str, want))}) for {spec.kind.value} {order}"
+        )
+    if tensor.stride(-1) != 1:
+        raise GeometryError(f"layer {name}: the head dimension must be contiguous")
+    raw = tensor.view(torch.uint8)  # the last dim in bytes
+    if spec.kind is LayerKind.MLA:
+        return raw
+    return raw.permute(0, 1, 3, 2, 4) if order == "NHD" else raw

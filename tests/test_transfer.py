@@ -1,0 +1,188 @@
+"""The transfer engine: device KV blocks <-> canonical chunks in a shared host region."""
+
+from __future__ import annotations
+
+import multiprocessing
+import uuid
+
+import pytest
+import torch
+
+from kvfs.connector.transfer import TransferEngine
+from kvfs.geometry import ChunkLayout, GeometryError, GroupGeometry, LayerKind, ModelGeometry
+from kvfs.host_region import HostRegion
+from tests import kv_model, tp_worker
+
+
+def make_engine(
+    geo: ModelGeometry, kv: dict[str, torch.Tensor], slots: int, kv_layout: str = "NHD"
+) -> tuple[TransferEngine, torch.Tensor]:
+    layout = ChunkLayout(geo)
+    host = torch.zeros((slots, layout.chunk_bytes), dtype=torch.uint8)
+    return TransferEngine(layout, kv, host, kv_layout=kv_layout), host
+
+
+def run(engine: TransferEngine, job: int, load: bool, group: int, slots, blocks) -> None:
+    (engine.submit_load if load else engine.submit_store)(job, group, slots, blocks)
+    engine.wait([job])
+    [result] = engine.get_finished()
+    assert result.job_id == job and result.success, result
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 4])
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_round_trip_every_layer_type(blocks_per_chunk: int, kv_layout: str) -> None:
+    geo = kv_model.geometry(blocks_per_chunk)
+    layout = ChunkLayout(geo)
+    kv = kv_model.shard(geo, kv_model.full_tensors(geo), 1, 0, kv_layout)
+    engine, host = make_engine(geo, kv, slots=6, kv_layout=kv_layout)
+    back = {name: torch.zeros_like(t) for name, t in kv.items()}
+    restorer = TransferEngine(layout, back, host, kv_layout=kv_layout)
+    chunks = 3
+    for group, spec in enumerate(geo.groups):
+        blocks = torch.randperm(kv_model.NUM_BLOCKS)[: chunks * blocks_per_chunk].tolist()
+        slots = [5, 0, 3]
+        run(engine, group * 2, False, group, slots, blocks)
+        # the chunk is the canonical page layout: check every (layer, block) page
+        for c, slot in enumerate(slots):
+            for i, name in enumerate(spec.layer_names):
+                for b in range(blocks_per_chunk):
+                    at = layout.page_offset(group, i, b)
+                    page = host[slot, at : at + spec.page_bytes]
+                    assert torch.equal(
+                        page,
+                        canonical_page(spec, kv[name], blocks[c * blocks_per_chunk + b], kv_layout),
+                    )
+        run(restorer, group * 2 + 1, True, group, slots, blocks)
+        for name in spec.layer_names:
+            assert kv_model.same_bytes(back[name][blocks], kv[name][blocks])
+            others = [b for b in range(kv_model.NUM_BLOCKS) if b not in blocks]
+            assert not back[name][others].any(), "a load wrote blocks it was not given"
+    engine.shutdown()
+    restorer.shutdown()
+
+
+def canonical_page(
+    spec: GroupGeometry, tensor: torch.Tensor, block: int, kv_layout: str
+) -> torch.Tensor:
+    """The page the layout defines, built independently: K then V, heads, tokens, dims."""
+    data = tensor[block]
+    if spec.kind.is_attention and kv_layout == "NHD":
+        data = data.permute(0, 2, 1, 3)  # (2, T, H, d) -> (2, H, T, d)
+    return data.contiguous().view(torch.uint8).reshape(-1)
+
+
+def test_chunk_sizes_are_4k_aligned_and_fixed() -> None:
+    geo = kv_model.geometry(blocks_per_chunk=4)
+    layout = ChunkLayout(geo)
+    assert layout.chunk_bytes % 4096 == 0
+    assert layout.chunk_bytes >= max(layout.group_bytes(g) for g in range(len(geo.groups)))
+    # a Llama-3-8B-like group: 32 layers x K,V x 8 heads x 16 tokens x 128 dims x bf16 = 2 MiB
+    llama = ModelGeometry(
+        (
+            GroupGeometry(
+                LayerKind.FULL_ATTENTION, tuple(f"l{i}" for i in range(32)), 16, "bfloat16", 8, 128
+            ),
+        )
+    )
+    assert ChunkLayout(llama).chunk_bytes == 2 << 20
+
+
+def test_tp_1_2_4_write_identical_chunks_and_reload_every_shard() -> None:
+    geo = kv_model.geometry(blocks_per_chunk=2)
+    layout = ChunkLayout(geo)
+    tag = uuid.uuid4().hex[:8]
+    names = {tp: f"tp{tp}-{tag}" for tp in (1, 2, 4)}
+    regions = {
+        tp: HostRegion.create(name, 8, layout.chunk_bytes, geo.fingerprint())
+        for tp, name in names.items()
+    }
+    gen = torch.Generator().manual_seed(3)
+    plan: tp_worker.Plan = []
+    for group in range(len(geo.groups)):
+        blocks = torch.randperm(kv_model.NUM_BLOCKS, generator=gen)[:4].tolist()
+        plan.append((group, [group * 2, group * 2 + 1], blocks))
+    ctx = multiprocessing.get_context("spawn")
+    ranks = [(tp, r) for tp in (1, 2, 4) for r in range(tp)]
+    barrier, results = ctx.Barrier(len(ranks) + 1), ctx.Queue()
+    layouts = {1: "NHD", 2: "HND", 4: "NHD"}  # device order does not change the chunk
+    load_from = {1: names[4], 2: names[1], 4: names[2]}  # each reloads what another TP wrote
+    procs = [
+        ctx.Process(
+            target=tp_worker.run_rank,
+            args=(tp, r, layouts[tp], names[tp], load_from[tp], plan, barrier, results),
+        )
+        for tp, r in ranks
+    ]
+    try:
+        for proc in procs:
+            proc.start()
+        barrier.wait(timeout=120)
+        written = {tp: bytes(region.view[:8]) for tp, region in regions.items()}
+        assert any(written[1]), "nothing was stored"
+        assert written[1] == written[2] == written[4]
+        barrier.wait(timeout=120)
+        outcome = [results.get(timeout=120) for _ in ranks]
+        failures = [f"TP={tp} rank {r}:\n{err}" for tp, r, err in outcome if err]
+        assert not failures, "\n".join(failures)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+        for region in regions.values():
+            region.close()
+    assert all(proc.exitcode == 0 for proc in procs)
+    assert not any(region.path.exists() for region in regions.values()), "regions left behind"
+
+
+def test_geometry_that_does_not_match_the_tensors_is_refused() -> None:
+    geo = kv_model.geometry()
+    layout = ChunkLayout(geo)
+    kv = kv_model.shard(geo, kv_model.full_tensors(geo), 1, 0, "NHD")
+    host = torch.zeros((2, layout.chunk_bytes), dtype=torch.uint8)
+    wrong_heads = dict(
+        kv, **{"attn.0": torch.zeros(kv_model.NUM_BLOCKS, 2, 4, 3, 8, dtype=torch.bfloat16)}
+    )
+    with pytest.raises(GeometryError, match=r"attn\.0: shape"):
+        TransferEngine(layout, wrong_heads, host)
+    wrong_dtype = dict(kv, **{"mla.0": kv["mla.0"].float()})
+    with pytest.raises(GeometryError, match=r"mla\.0: dtype"):
+        TransferEngine(layout, wrong_dtype, host)
+    with pytest.raises(GeometryError, match="no tensor for layers"):
+        TransferEngine(layout, {k: v for k, v in kv.items() if k != "swa.0"}, host)
+    with pytest.raises(GeometryError, match="does not describe"):
+        TransferEngine(layout, dict(kv, stray=kv["mla.0"]), host)
+    with pytest.raises(GeometryError, match="state bytes"):
+        TransferEngine(layout, dict(kv, **{"mamba.0": torch.zeros(kv_model.NUM_BLOCKS, 100)}), host)
+    with pytest.raises(GeometryError, match="kv_layout"):
+        TransferEngine(layout, kv, host, kv_layout="NCHW")
+    with pytest.raises(GeometryError, match="chunk is"):
+        TransferEngine(layout, kv, torch.zeros((2, layout.chunk_bytes + 4096), dtype=torch.uint8))
+    with pytest.raises(GeometryError, match="layer type 'linear'"):
+        GroupGeometry("linear", ("x",), 16)  # type: ignore[arg-type]
+    with pytest.raises(GeometryError, match="do not split"):
+        layout.rank_share(1, 3, 0)  # 4 heads over 3 ranks
+
+
+def test_bad_jobs_are_refused_and_write_nothing() -> None:
+    geo = kv_model.geometry(blocks_per_chunk=2)
+    kv = kv_model.shard(geo, kv_model.full_tensors(geo), 1, 0, "NHD")
+    engine, host = make_engine(geo, kv, slots=4)
+    bad = [
+        (0, [0], [1]),  # one block for a two-block chunk
+        (0, [4], [0, 1]),  # no slot 4
+        (0, [0, 0], [0, 1, 2, 3]),  # one slot twice
+        (0, [0], [0, kv_model.NUM_BLOCKS]),  # no such block
+        (0, [0], [-1, 2]),
+        (7, [0], [0, 1]),  # no group 7
+    ]
+    for group, slots, blocks in bad:
+        with pytest.raises(ValueError):
+            engine.submit_store(1, group, slots, blocks)
+        with pytest.raises(ValueError):
+            engine.submit_load(2, group, slots, blocks)
+    assert not host.any() and engine.get_finished() == []
+    before = {k: v.clone() for k, v in kv.items()}
+    engine.shutdown()
+    assert all(kv_model.same_bytes(before[k], kv[k]) for k in kv)
