@@ -161,6 +161,7 @@ class RankShare:
     runs: tuple[Run, ...]
     local_page_bytes: int  # the rank's own bytes per page
     local_heads: int  # attention: KV heads on this rank
+    first_head: int  # attention: the first of them
     holders: int  # ranks holding these same bytes (1: not replicated)
     holder_index: int  # this rank among them
 
@@ -206,14 +207,14 @@ class ChunkLayout:
             raise GeometryError(f"rank {rank} is not in a tensor-parallel group of {tp_size}")
         page = spec.page_bytes
         if spec.kind is LayerKind.MLA:
-            return RankShare((Run(0, 0, page),), page, 0, tp_size, rank)
+            return RankShare((Run(0, 0, page),), page, 0, 0, tp_size, rank)
         if spec.kind is LayerKind.MAMBA:
             if spec.state_bytes % tp_size:
                 raise GeometryError(
                     f"Mamba state of {spec.state_bytes} bytes does not split over {tp_size} ranks"
                 )
             part = spec.state_bytes // tp_size
-            return RankShare((Run(rank * part, 0, part),), part, 0, 1, 0)
+            return RankShare((Run(rank * part, 0, part),), part, 0, 0, 1, 0)
         heads = spec.num_kv_heads
         if heads >= tp_size:
             if heads % tp_size:
@@ -227,7 +228,7 @@ class ChunkLayout:
         head_bytes = spec.tokens_per_block * spec.head_size * spec.element_bytes
         half = local * head_bytes  # the rank's K (or V) heads
         runs = tuple(Run((kv * heads + first_head) * head_bytes, kv * half, half) for kv in (0, 1))
-        return RankShare(runs, 2 * half, local, holders, rank % holders)
+        return RankShare(runs, 2 * half, local, first_head, holders, rank % holders)
 
     def row_runs(self, group: int, share: RankShare) -> list[Run]:
         """A rank's runs over a whole chunk of ``group``: ``page_offset`` is in the chunk,

@@ -29,6 +29,7 @@ def run_rank(
     tp: int,
     rank: int,
     kv_layout: str,
+    staged: bool,
     store_into: str,
     load_from: str,
     plan: Plan,
@@ -44,14 +45,18 @@ def run_rank(
         layout = ChunkLayout(geo)
         mine = kv_model.shard(geo, kv_model.full_tensors(geo), tp, rank, kv_layout)
         with HostRegion.attach(store_into, geo.fingerprint()) as region:
-            engine = TransferEngine(layout, mine, host_tensor(region), tp, rank, kv_layout)
+            engine = TransferEngine(
+                layout, mine, host_tensor(region), tp, rank, kv_layout, staged=staged
+            )
             transfer_all(engine, plan, load=False)
             engine.shutdown()
             barrier.wait()  # every rank of every TP size has stored: the parent compares
             barrier.wait()
         with HostRegion.attach(load_from, geo.fingerprint()) as region:
             loaded = {name: torch.zeros_like(t) for name, t in mine.items()}
-            engine = TransferEngine(layout, loaded, host_tensor(region), tp, rank, kv_layout)
+            engine = TransferEngine(
+                layout, loaded, host_tensor(region), tp, rank, kv_layout, staged=staged
+            )
             transfer_all(engine, plan, load=True)
             engine.shutdown()
         for group, _, blocks in plan:
