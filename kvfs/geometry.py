@@ -31,6 +31,9 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 
 ALIGNMENT = 4096
+# Names this byte layout in the run configuration (vLLM's canonical_format field), so its
+# chunks never share a namespace with vLLM's own layouts, whose bytes differ.
+CANONICAL_FORMAT = "kvfs-v1"
 
 # KV-cache dtypes, by torch name, and their element sizes.
 DTYPE_BYTES = {

@@ -56,7 +56,7 @@ from kvfs.index import ROOT_INO, Index, Node
 from kvfs.io_queues import DualQueuePool, Queue
 from kvfs.mount import control
 from kvfs.mount.bridge import IO, ByteBudget, Detached, Future
-from kvfs.mount.events import EventPublisher, block_of
+from kvfs.mount.events import MountEvents, block_of
 from kvfs.mount.eviction import Evictor
 from kvfs.mount.invalidator import Invalidator
 from kvfs.mount.metrics import TIMED_OPERATIONS, Metrics
@@ -109,7 +109,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.metrics = Metrics()
         for name in TIMED_OPERATIONS:  # pyfuse3 calls the instance's attributes
             setattr(self, name, self.metrics.timed(name, getattr(self, name)))
-        self.events = EventPublisher(cfg.events) if cfg.events else None
+        self.events = MountEvents(cfg.events) if cfg.events else None
         self._next_fh = 1
         index.on_release = self._released
         self.deadline_expiries = 0
@@ -153,9 +153,9 @@ class KvfsOperations(pyfuse3.Operations):
         if stored:
             top = namespaces.top_level(node)
             config = namespaces.config_for(self.index, top) if top is not None else None
-            self.events.stored(*block, namespaces.tokens_per_chunk(config) or 0)
+            self.events.chunk_stored(*block, namespaces.tokens_per_chunk(config) or 0)
         else:
-            self.events.removed(*block)
+            self.events.chunk_removed(*block)
 
     def close(self) -> None:
         if self.events is not None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,3 +94,15 @@ def fresh_mount(tmp_path: Path) -> Iterator[Mount]:
         yield mount.start()
     finally:
         mount.stop()
+
+
+@contextmanager
+def small_filesystem(where: Path, fstype: str, options: str = "") -> Iterator[Path]:
+    """A filesystem of its own (tmpfs of a set size, ramfs without O_DIRECT), always unmounted."""
+    where.mkdir(parents=True, exist_ok=True)
+    args = ["mount", "-t", fstype, *(["-o", options] if options else []), fstype, str(where)]
+    subprocess.run(args, check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

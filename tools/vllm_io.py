@@ -11,33 +11,16 @@ import mmap
 import os
 import random
 
-_SUFFIX = f"_{random.randint(0, 2**63 - 1)}.tmp"
+from kvfs import chunk_io
+
+# Stores and the O_DIRECT probe are the syscalls kvfs's own fs tier makes too.
+store = chunk_io.store
+probe_o_direct = chunk_io.probe_o_direct
 
 
 def aligned(size: int) -> mmap.mmap:
     """A page-aligned buffer, as O_DIRECT needs (vLLM's host region is mmap memory)."""
     return mmap.mmap(-1, size)
-
-
-def store(path: str, data: bytes | mmap.mmap, o_direct: bool = False) -> bool:
-    """exists → mkdir -p → O_EXCL temp → one write → close → rename. False if it existed."""
-    if os.path.exists(path):
-        return False
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + _SUFFIX + str(random.randint(0, 2**31))
-    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | (os.O_DIRECT if o_direct else 0)
-    fd = os.open(tmp, flags, 0o644)
-    try:
-        written = os.write(fd, data)
-        if written != len(data):
-            raise OSError(f"short write {written} of {len(data)}")
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    return True
 
 
 def load_into(path: str, buf: mmap.mmap, o_direct: bool = False) -> None:
@@ -56,21 +39,6 @@ def load(path: str, size: int, o_direct: bool = False) -> bytes:
     buf = aligned(size)
     load_into(path, buf, o_direct)
     return bytes(buf)
-
-
-def probe_o_direct(directory: str) -> bool:
-    """vLLM's start-up probe: a page written with O_DIRECT, or buffered I/O for good."""
-    path = os.path.join(directory, f".o_direct_probe_{random.randint(0, 2**63 - 1)}.tmp")
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_DIRECT, 0o644)
-        try:
-            os.write(fd, aligned(mmap.PAGESIZE))
-        finally:
-            os.close(fd)
-            os.unlink(path)
-    except OSError:
-        return False
-    return True
 
 
 NAMESPACE = "test-model_0123456789ab"  # <model>_<12 hex digest>, as vLLM names a run config

@@ -1,0 +1,203 @@
+"""The connector in one process: the scheduler side (TieringManager) and one worker's
+transfer engine, wired together for an engine that runs both in one place (TP=1), and for the
+end-to-end check and the benchmarks.
+
+Per request and step, an engine calls ``lookup`` (how many leading chunks can come from the
+host tier; RETRY: ask again next step), ``load`` the hits into device blocks it allocates
+then, computes the rest, ``store`` the new full chunks from their device blocks, and ``step``
+at the end of the step. ``step`` returns the transfers that finished: a store's device blocks
+may be freed, a load's blocks hold their KV.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvfs.config import ConfigError
+from kvfs.connector.config import ConnectorConfig
+from kvfs.connector.host_memory import host_tensor, pin, unpin
+from kvfs.connector.manager import PrefixLookup, TieringManager
+from kvfs.connector.metrics import ConnectorMetrics
+from kvfs.connector.transfer import TransferEngine
+from kvfs.geometry import CANONICAL_FORMAT, ChunkLayout, ModelGeometry
+from kvfs.host_region import HostRegion
+from kvfs.run_config import KVCacheGroupConfig, RunConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Finished:
+    job_id: int
+    kind: str  # "store" or "load"
+    keys: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+    success: bool
+    sources: tuple[str, ...] = ()  # loads: the tier each chunk came from
+
+
+@dataclass
+class _Pending:
+    kind: str
+    keys: list[bytes]
+    block_ids: list[int]
+    request_id: str
+    sources: list[str]
+
+
+def run_config_for(geometry: ModelGeometry, model_name: str, tokens_per_hash: int) -> RunConfig:
+    """The namespace of kvfs's canonical chunks for this model (parallelism-agnostic)."""
+    return RunConfig(
+        model_name=model_name,
+        tokens_per_hash=tokens_per_hash,
+        blocks_per_file=geometry.blocks_per_chunk,
+        dtype=geometry.groups[0].dtype,
+        kv_cache_groups=tuple(
+            KVCacheGroupConfig(g.tokens_per_block, g.layer_names) for g in geometry.groups
+        ),
+        canonical_format=CANONICAL_FORMAT,
+    )
+
+
+class KVConnector:
+    def __init__(
+        self,
+        extra_config: Mapping[str, Any],
+        geometry: ModelGeometry,
+        kv_caches: Mapping[str, torch.Tensor],
+        model_name: str,
+        instance: str,
+        tokens_per_hash: int = 16,
+        kv_layout: str = "NHD",
+        metrics: ConnectorMetrics | None = None,
+    ) -> None:
+        config = ConnectorConfig.from_extra_config(extra_config)
+        if config.blocks_per_chunk != geometry.blocks_per_chunk:
+            raise ConfigError(
+                f"blocks_per_chunk: {config.blocks_per_chunk}, the geometry has "
+                f"{geometry.blocks_per_chunk}"
+            )
+        layout = ChunkLayout(geometry)
+        slots = config.cpu_bytes_to_use // layout.chunk_bytes
+        if slots == 0:
+            raise ConfigError(
+                f"cpu_bytes_to_use: {config.cpu_bytes_to_use} bytes hold no chunk of "
+                f"{layout.chunk_bytes} bytes"
+            )
+        self.layout = layout
+        self.run_config = run_config_for(geometry, model_name, tokens_per_hash)
+        self.region = HostRegion.create(instance, slots, layout.chunk_bytes, geometry.fingerprint())
+        try:
+            self._host = host_tensor(self.region)
+            self._pinned = pin(self._host)
+            self.engine = TransferEngine(layout, kv_caches, self._host, kv_layout=kv_layout)
+            self.manager = TieringManager(config, self.run_config, self.region.view, metrics)
+        except BaseException:
+            self.region.close()
+            raise
+        self._next_job = 0
+        self._pending: dict[int, _Pending] = {}
+
+    @property
+    def metrics(self) -> ConnectorMetrics:
+        return self.manager.metrics
+
+    def lookup(self, keys: Sequence[bytes], request_id: str) -> PrefixLookup:
+        return self.manager.lookup_prefix(keys, request_id)
+
+    def load(
+        self, keys: Sequence[bytes], block_ids: Sequence[int], request_id: str, group: int = 0
+    ) -> int:
+        """Copy chunks the lookup found into device blocks (blocks_per_chunk per chunk)."""
+        plan = self.manager.prepare_load(keys)
+        try:
+            job = self._submit("load", keys, block_ids, plan.slots, request_id, group)
+        except BaseException:
+            self.manager.complete_load(keys)
+            raise
+        self._pending[job].sources = plan.sources
+        return job
+
+    def store(
+        self, keys: Sequence[bytes], block_ids: Sequence[int], request_id: str, group: int = 0
+    ) -> int | None:
+        """Copy new chunks from their device blocks into the host tier (and on to the others).
+        None if nothing is copied: every key is there already, or the host tier is full."""
+        bpc = self.layout.blocks_per_chunk
+        slots = self.manager.prepare_store(keys)
+        if not slots:
+            return None
+        chosen = [i for i, key in enumerate(keys) if key in slots]
+        blocks = [block_ids[i * bpc + b] for i in chosen for b in range(bpc)]
+        new = [keys[i] for i in chosen]
+        try:
+            return self._submit("store", new, blocks, [slots[k] for k in new], request_id, group)
+        except BaseException:
+            self.manager.complete_store(new, request_id, success=False)
+            raise
+
+    def _submit(
+        self,
+        kind: str,
+        keys: Sequence[bytes],
+        block_ids: Sequence[int],
+        slots: list[int],
+        request_id: str,
+        group: int,
+    ) -> int:
+        self._next_job += 1
+        job = self._next_job
+        submit = self.engine.submit_load if kind == "load" else self.engine.submit_store
+        submit(job, group, slots, block_ids)
+        self._pending[job] = _Pending(kind, list(keys), list(block_ids), request_id, [])
+        return job
+
+    def step(self) -> list[Finished]:
+        """End of a scheduler step: account for finished copies, start promotions."""
+        finished = []
+        for result in self.engine.get_finished():
+            pending = self._pending.pop(result.job_id)
+            if pending.kind == "store":
+                self.manager.complete_store(pending.keys, pending.request_id, result.success)
+            else:
+                self.manager.complete_load(pending.keys)
+            direction = "store" if pending.kind == "store" else "load"
+            self.manager.record_device_transfer(direction, result.bytes, result.seconds)
+            finished.append(
+                Finished(
+                    result.job_id,
+                    pending.kind,
+                    tuple(pending.keys),
+                    tuple(pending.block_ids),
+                    result.success,
+                    tuple(pending.sources),
+                )
+            )
+        self.manager.on_schedule_end()
+        return finished
+
+    def wait(self, job_ids: Sequence[int]) -> None:
+        self.engine.wait(job_ids)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self.manager.touch(keys)
+
+    def finish_request(self, request_id: str) -> None:
+        self.manager.on_request_finished(request_id)
+
+    def close(self) -> None:
+        """Finish every copy in flight, stop the tiers, and release the host region."""
+        try:
+            self.engine.wait(list(self._pending))
+            self.step()
+            self.engine.shutdown()
+            self.manager.shutdown()
+        finally:
+            if self._pinned:
+                unpin(self._host)
+            self.region.close()

@@ -1,0 +1,96 @@
+"""One chunk file, written and read the way vLLM's fs tier does, so a kvfs mount (or any
+directory) sees one open, one I/O and one close per chunk, and a name appears only complete.
+
+store: exists? -> mkdir -p -> O_CREAT|O_EXCL temp ``<name>_<u63>.tmp`` -> one write -> close
+-> rename over the final name. No fsync: a cache may lose chunks, never serve partial ones.
+load: open -> the size must be the chunk size -> one readv into the caller's buffer.
+
+O_DIRECT needs page-aligned buffers and sizes (the host region's slots are); ``probe_o_direct``
+tells once whether a directory takes it, as vLLM probes at start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import random
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class ChunkError(OSError):
+    """A chunk file cannot be stored or loaded; the store or load changed nothing."""
+
+
+def _temp_name(path: str) -> str:
+    return f"{path}_{random.randint(0, 2**63 - 1)}.tmp"
+
+
+def store(path: str, data: memoryview | bytes | mmap.mmap, o_direct: bool = False) -> bool:
+    """Publish ``data`` under ``path``; False if a chunk was already there (content-addressed:
+    it holds the same bytes)."""
+    if os.path.exists(path):
+        return False
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = _temp_name(path)
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | (O_DIRECT if o_direct else 0)
+    try:
+        fd = os.open(tmp, flags, 0o644)
+        try:
+            written = os.write(fd, data)
+        finally:
+            os.close(fd)  # a kvfs mount reports a failed publish here
+        if written != len(data):
+            raise ChunkError(f"short write of {path}: {written} of {len(data)} bytes")
+        try:
+            os.replace(tmp, path)
+        except FileExistsError:  # filesystems that refuse to replace: the chunk is there
+            os.unlink(tmp)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return True
+
+
+def load_into(path: str, buffer: memoryview | mmap.mmap, o_direct: bool = False) -> None:
+    """Read the chunk at ``path`` into ``buffer``, all of it, or raise.
+
+    A file of another size is not a chunk of this configuration (all are one size): a shorter
+    one is a torn or truncated file and is removed, as vLLM removes it; a longer one is left.
+    """
+    fd = os.open(path, os.O_RDONLY | (O_DIRECT if o_direct else 0))
+    try:
+        size = os.fstat(fd).st_size
+        if size != len(buffer):
+            if size < len(buffer):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise ChunkError(f"{path} has {size} bytes, a chunk is {len(buffer)}")
+        got = os.readv(fd, [buffer])
+        if got != len(buffer):
+            raise ChunkError(f"short read of {path}: {got} of {len(buffer)} bytes")
+    finally:
+        os.close(fd)
+
+
+def probe_o_direct(directory: str) -> bool:
+    """Whether O_DIRECT writes work in ``directory``: one aligned page, written and removed."""
+    if not O_DIRECT:
+        return False
+    path = os.path.join(directory, f".o_direct_probe_{random.randint(0, 2**63 - 1)}.tmp")
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | O_DIRECT, 0o644)
+        try:
+            os.write(fd, page)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        page.close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
