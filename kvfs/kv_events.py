@@ -21,7 +21,7 @@ import zmq
 
 class EventPublisher:
     def __init__(self, address: str, topic: str = "kv-events", high_water_mark: int = 10_000):
-        self._socket = zmq.Context.instance().socket(zmq.PUB)
+        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, high_water_mark)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(address)
