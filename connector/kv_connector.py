@@ -190,11 +190,17 @@ class KVConnector:
     def finish_request(self, request_id: str) -> None:
         self.manager.on_request_finished(request_id)
 
+    def drain(self) -> list[Finished]:
+        """Wait until every copy submitted so far is done, to the device, host and tiers."""
+        self.engine.wait(list(self._pending))
+        finished = self.step()
+        self.manager.drain()
+        return finished
+
     def close(self) -> None:
         """Finish every copy in flight, stop the tiers, and release the host region."""
         try:
-            self.engine.wait(list(self._pending))
-            self.step()
+            self.drain()
             self.engine.shutdown()
             self.manager.shutdown()
         finally:

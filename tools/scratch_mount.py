@@ -1,0 +1,25 @@
+"""A kvfs mount for the length of a tool's run, always unmounted after."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+KVFS = [sys.executable, "-m", "kvfs.cli"]
+
+
+@contextmanager
+def temporary_mount(base: Path, *options: str) -> Iterator[Path]:
+    """Mount ``base/mnt`` backed by ``base/backing`` (both created) and yield the mountpoint."""
+    mnt, backing = base / "mnt", base / "backing"
+    mnt.mkdir(parents=True)
+    backing.mkdir()
+    subprocess.run([*KVFS, "mount", str(mnt), "--backing", str(backing), *options], check=True)
+    try:
+        yield mnt
+    finally:
+        if subprocess.run([*KVFS, "umount", str(mnt)], check=False).returncode != 0:
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
