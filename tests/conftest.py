@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -59,6 +60,12 @@ class Mount:
             time.sleep(0.05)
         if str(self.path) in mountctl.kvfs_mounts():  # auto_unmount should have done it
             subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def wait_gone(pid: int, timeout: float = 30) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -14,16 +13,10 @@ import pytest
 import zmq
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
-from tests.conftest import Mount, kvfs, make_mount
+from tests.conftest import Mount, free_port, kvfs, make_mount
 from tools import vllm_io
 
 CHUNK = 128 << 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> dict[str, float]:

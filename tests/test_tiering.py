@@ -7,14 +7,17 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
+import zmq
+from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
 from kvfs.config import ConfigError
 from kvfs.connector.kv_connector import KVConnector
 from kvfs.host_region import region_path
 from kvfs.keys import BlockHasher, chunk_keys
 from tests import kv_model
-from tests.conftest import Mount
+from tests.conftest import Mount, free_port
 
 BPC = 2
 CHUNK_TOKENS = kv_model.TOKENS * BPC
@@ -283,3 +286,45 @@ def test_events_name_the_medium_and_the_tier(harness_factory: Any, tmp_path: Any
     stored = {(e.medium, e.tier) for e in events if not e.removed for _ in e.keys}
     assert stored == {("CPU", "host"), ("STORAGE", "fs")}
     assert {k for e in events if e.tier == "fs" for k in e.keys} == set(keys)
+
+
+def test_touch_keeps_a_chunk_hot_in_the_host_tier(harness_factory: Any) -> None:
+    h = harness_factory(cpu_bytes_to_use=2 * 4096 * 4)  # 8 slots of 4 KiB
+    slots = h.conn.manager.num_slots
+    keys = h.keys(slots + 1)
+    h.store(keys[:slots])
+    h.conn.touch([keys[0]])  # a device prefix hit on the oldest chunk
+    h.store(keys[slots:], first_block=20)
+    host = h.conn.manager.host
+    assert keys[0] in host and keys[1] not in host  # the next oldest went instead
+
+
+def test_kv_events_reach_a_subscriber_in_vllms_wire_format(harness_factory: Any) -> None:
+    port = free_port()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        h = harness_factory(
+            cpu_bytes_to_use=64 << 20,
+            kv_events=f"tcp://127.0.0.1:{port}",
+            secondary_tiers=[{"type": "memory", "name": "ram"}],
+        )
+        time.sleep(0.3)  # let the subscription reach the publisher
+        keys = h.keys(2)
+        h.store(keys)
+        h.conn.step()
+        seen: dict[tuple[str | None, str | None], set[bytes]] = {}
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(seen) < 2:
+            if sub.poll(200):
+                _, _, payload = sub.recv_multipart()
+                batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+                for event in batch.events:
+                    assert isinstance(event, BlockStored)
+                    where = (event.medium, event.ownership)
+                    seen.setdefault(where, set()).update(event.block_hashes)
+        hashes = {key[:-4] for key in keys}
+        assert seen == {("CPU", "host"): hashes, ("CPU", "ram"): hashes}
+    finally:
+        sub.close()
