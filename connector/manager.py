@@ -117,7 +117,8 @@ class TieringManager:
             return LookupResult.HIT
         if state is Lookup.PENDING:
             return LookupResult.RETRY if key in self._promoting else LookupResult.HIT_PENDING
-        self.metrics.lookup(HOST, "miss")
+        if not any((index, key) in self._asking for index in range(len(self.tiers))):
+            self.metrics.lookup(HOST, "miss")  # once per miss, not once per step it waits
         for index, tier in enumerate(self.tiers):
             if (index, key) in self._failed:
                 continue

@@ -17,9 +17,12 @@ def temporary_mount(base: Path, *options: str) -> Iterator[Path]:
     mnt, backing = base / "mnt", base / "backing"
     mnt.mkdir(parents=True)
     backing.mkdir()
-    subprocess.run([*KVFS, "mount", str(mnt), "--backing", str(backing), *options], check=True)
+    # kvfs reports on stdout; the tools keep stdout for their results (--json)
+    mount = [*KVFS, "mount", str(mnt), "--backing", str(backing), *options]
+    subprocess.run(mount, check=True, stdout=sys.stderr)
     try:
         yield mnt
     finally:
-        if subprocess.run([*KVFS, "umount", str(mnt)], check=False).returncode != 0:
+        umount = subprocess.run([*KVFS, "umount", str(mnt)], check=False, stdout=sys.stderr)
+        if umount.returncode != 0:
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)

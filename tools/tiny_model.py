@@ -196,6 +196,9 @@ class DeviceCache:
             self.ref(unit)
         return units
 
+    def can_allocate(self, count: int) -> bool:
+        return count <= len(self._free)
+
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise RuntimeError(

@@ -14,12 +14,14 @@ configuration never counts as a hit.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvfs import chunk_io
 from kvfs.config import ConfigError
@@ -38,10 +40,19 @@ from kvfs.io_queues import DualQueuePool, Queue
 log = logging.getLogger(__name__)
 
 
-class _LoadFailed(Exception):
-    def __init__(self, loaded: int, error: OSError) -> None:
-        super().__init__(str(error))
-        self.loaded = loaded
+@dataclass
+class _Piece:
+    moved: list[bytes]  # stored: newly written; loaded: read into their slots
+    ok: bool
+
+
+@dataclass
+class _InFlight:
+    job: TransferJob
+    pieces: int  # not finished yet
+    started: float
+    moved: list[bytes] = field(default_factory=list)
+    ok: bool = True
 
 
 class FsTier(SecondaryTier):
@@ -56,6 +67,7 @@ class FsTier(SecondaryTier):
         n_write_threads: int = 16,
         o_direct: bool | None = None,
         miss_ttl_s: float = 1.0,
+        fanout_chunks: int = 8,
     ) -> None:
         super().__init__(host_view, context)
         for key, value in (
@@ -64,6 +76,9 @@ class FsTier(SecondaryTier):
         ):
             if not 1 <= value <= 256:
                 raise ConfigError(f"secondary_tiers[{context.name}].{key}: between 1 and 256")
+        if fanout_chunks <= 0:
+            raise ConfigError(f"secondary_tiers[{context.name}].fanout_chunks: must be positive")
+        self._fanout = fanout_chunks
         self.root = root_dir.rstrip("/") or "/"
         config = context.run_config
         config_path = config.config_path(self.root)
@@ -123,48 +138,82 @@ class FsTier(SecondaryTier):
     # -- transfers --------------------------------------------------------------------------
 
     def submit_store(self, job: TransferJob) -> None:
-        self._submit(Queue.WRITE, job, lambda: self._store(job))
+        self._submit(Queue.WRITE, job, self._store)
 
     def submit_load(self, job: TransferJob) -> None:
-        self._submit(Queue.READ, job, lambda: self._load(job))
+        self._submit(Queue.READ, job, self._load)
 
-    def _submit(self, queue: Queue, job: TransferJob, work: Callable[[], list[bytes]]) -> None:
-        started = time.perf_counter()
-
-        def done(moved: list[bytes] | None, error: BaseException | None) -> None:
-            seconds = time.perf_counter() - started
-            if error is None:
-                result = JobResult(job.job_id, True, seconds=seconds)
-            else:
-                loaded = error.loaded if isinstance(error, _LoadFailed) else 0
-                log.debug("fs tier %s: job %d failed: %s", self.name, job.job_id, error)
-                result = JobResult(job.job_id, False, list(job.keys[:loaded]), seconds)
-            with self._idle:
-                self._finished.append((job, result, moved or []))
-                self._in_flight -= 1
-                self._idle.notify_all()
-
+    def _submit(
+        self, queue: Queue, job: TransferJob, work: Callable[[TransferJob, range], _Piece]
+    ) -> None:
+        """Split the job into pieces of ``fanout_chunks`` for the pool's threads: one
+        request's many chunks then load (or store) in parallel, not one after another."""
+        size = self._fanout
+        pieces = [range(i, min(i + size, len(job.keys))) for i in range(0, len(job.keys), size)]
+        state = _InFlight(job, len(pieces), time.perf_counter())
         with self._idle:
             self._in_flight += 1
-        self._pool.submit(queue, work, done)
+        if not pieces:
+            self._piece_done(state, _Piece([], True), None)
+        for piece in pieces:
+            self._pool.submit(
+                queue,
+                functools.partial(work, job, piece),
+                functools.partial(self._piece_done, state),
+            )
 
-    def _store(self, job: TransferJob) -> list[bytes]:
-        """Write each chunk; the keys newly written (the others were there already)."""
+    def _piece_done(
+        self, state: _InFlight, piece: _Piece | None, error: BaseException | None
+    ) -> None:
+        with self._idle:
+            if error is not None or piece is None:
+                log.warning("fs tier %s: job %d: %s", self.name, state.job.job_id, error)
+                state.ok = False
+            else:
+                state.moved += piece.moved
+                state.ok &= piece.ok
+            state.pieces -= 1
+            if state.pieces:
+                return
+            job = state.job
+            seconds = time.perf_counter() - state.started
+            if state.ok:
+                result = JobResult(job.job_id, True, seconds=seconds)
+            else:
+                moved = set(state.moved)
+                loaded = [k for k in job.keys if k in moved] if job.is_promotion else None
+                result = JobResult(job.job_id, False, loaded, seconds)
+            self._finished.append((job, result, state.moved))
+            self._in_flight -= 1
+            self._idle.notify_all()
+
+    def _store(self, job: TransferJob, piece: range) -> _Piece:
+        """Write each chunk of the piece; the keys newly written (others were there)."""
         written = []
-        for key, slot in zip(job.keys, job.slots, strict=True):
-            if chunk_io.store(self.path(key), self.slot(slot), self.o_direct):
-                written.append(key)
-        return written
-
-    def _load(self, job: TransferJob) -> list[bytes]:
-        """Read chunks in order, stopping at the first that fails: a request can use only
-        the prefix before it."""
-        for i, (key, slot) in enumerate(zip(job.keys, job.slots, strict=True)):
+        for i in piece:
             try:
-                chunk_io.load_into(self.path(key), self.slot(slot), self.o_direct)
+                if chunk_io.store(self.path(job.keys[i]), self.slot(job.slots[i]), self.o_direct):
+                    written.append(job.keys[i])
             except OSError as err:
-                raise _LoadFailed(i, err) from err
-        return list(job.keys)
+                log.debug(
+                    "fs tier %s: store of %s failed: %s", self.name, self.path(job.keys[i]), err
+                )
+                return _Piece(written, False)
+        return _Piece(written, True)
+
+    def _load(self, job: TransferJob, piece: range) -> _Piece:
+        """Read each chunk of the piece, stopping at the first that fails."""
+        loaded = []
+        for i in piece:
+            try:
+                chunk_io.load_into(self.path(job.keys[i]), self.slot(job.slots[i]), self.o_direct)
+            except OSError as err:
+                log.debug(
+                    "fs tier %s: load of %s failed: %s", self.name, self.path(job.keys[i]), err
+                )
+                return _Piece(loaded, False)
+            loaded.append(job.keys[i])
+        return _Piece(loaded, True)
 
     def get_finished_jobs(self) -> list[JobResult]:
         results = []
@@ -175,7 +224,8 @@ class FsTier(SecondaryTier):
                 if (counter := self.context.metrics.get("io_errors")) is not None:
                     counter.inc()
                 if job.is_promotion:  # what failed to load is a miss from now on
-                    self._lookups.mark(job.keys[len(result.successful_keys or ()) :], False)
+                    loaded = set(result.successful_keys or ())
+                    self._lookups.mark([k for k in job.keys if k not in loaded], False)
             elif not job.is_promotion:
                 self._lookups.mark(job.keys, True)
                 if moved:
