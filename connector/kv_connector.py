@@ -92,13 +92,18 @@ class KVConnector:
         self.layout = layout
         self.run_config = run_config_for(geometry, model_name, tokens_per_hash)
         self.region = HostRegion.create(instance, slots, layout.chunk_bytes, geometry.fingerprint())
+        self._host = host_tensor(self.region)
+        self._pinned = False
         try:
-            self._host = host_tensor(self.region)
             self._pinned = pin(self._host)
             self.engine = TransferEngine(layout, kv_caches, self._host, kv_layout=kv_layout)
-            self.manager = TieringManager(config, self.run_config, self.region.view, metrics)
+            try:
+                self.manager = TieringManager(config, self.run_config, self.region.view, metrics)
+            except BaseException:
+                self.engine.shutdown()
+                raise
         except BaseException:
-            self.region.close()
+            self._release_host()
             raise
         self._next_job = 0
         self._pending: dict[int, _Pending] = {}
@@ -198,12 +203,21 @@ class KVConnector:
         return finished
 
     def close(self) -> None:
-        """Finish every copy in flight, stop the tiers, and release the host region."""
+        """Finish every copy in flight, stop the tiers, and release the host region. The
+        region is released only once nothing can still copy into or out of it."""
         try:
             self.drain()
-            self.engine.shutdown()
-            self.manager.shutdown()
         finally:
-            if self._pinned:
-                unpin(self._host)
-            self.region.close()
+            try:
+                self.engine.shutdown()
+            finally:
+                try:
+                    self.manager.shutdown()
+                finally:
+                    self._release_host()
+
+    def _release_host(self) -> None:
+        if self._pinned:
+            unpin(self._host)
+            self._pinned = False
+        self.region.close()

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import start_http_server
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 HOST = "host"
 HOST_MEDIUM = "CPU"
+# How long a tier is not asked again for a chunk whose lookup or load timed out.
+FAILURE_TTL_S = 60.0
 
 
 @dataclass
@@ -92,38 +95,51 @@ class TieringManager:
                     self.metrics.tier_metrics(tier.type, tier.name, cls.metric_definitions()),
                 )
                 self.tiers.append(create_tier(cls, tier.options, host_view, context, tier.where))
+            self._publisher = EventPublisher(config.kv_events) if config.kv_events else None
+            self._http = (
+                start_http_server(config.metrics_port, registry=self.metrics.registry)[0]
+                if config.metrics_port is not None
+                else None
+            )
         except BaseException:
             self._shutdown_tiers()
             raise
         self._job_ids = itertools.count(1)
         self._jobs: dict[int, _Job] = {}
-        self._promoting: dict[bytes, int] = {}  # key -> tier it is coming from
+        self._promoting: dict[bytes, tuple[int, float]] = {}  # key -> (tier, since)
         self._to_promote: dict[tuple[int, str], list[tuple[bytes, int]]] = {}
         self._source: OrderedDict[bytes, int] = OrderedDict()  # promoted, not loaded yet
         self._asking: dict[tuple[int, bytes], float] = {}  # (tier, key) -> first RETRY
-        self._failed: OrderedDict[tuple[int, bytes], None] = OrderedDict()
+        self._failed: OrderedDict[tuple[int, bytes], float] = OrderedDict()  # -> skip until
         self._pending_stores = [0] * len(self.tiers)
         self._events: list[ConnectorEvent] = []
-        self._publisher = EventPublisher(config.kv_events) if config.kv_events else None
-        if config.metrics_port is not None:
-            start_http_server(config.metrics_port, registry=self.metrics.registry)
 
     # -- lookups ----------------------------------------------------------------------------
 
-    def lookup(self, key: bytes, request_id: str) -> LookupResult:
+    def lookup(self, key: bytes, request_id: str, keep: Collection[bytes] = ()) -> LookupResult:
+        """Where ``key`` is; a promotion it starts evicts none of ``keep`` from the host tier."""
         state = self.host.lookup(key)
+        now = time.monotonic()
         if state is Lookup.HIT:
             self.metrics.lookup(HOST, "hit")
             return LookupResult.HIT
         if state is Lookup.PENDING:
-            return LookupResult.RETRY if key in self._promoting else LookupResult.HIT_PENDING
+            promotion = self._promoting.get(key)
+            if promotion is None:
+                return LookupResult.HIT_PENDING  # being stored from the device
+            tier, started = promotion
+            if now - started < self.config.lookup_timeout_s:
+                return LookupResult.RETRY
+            # A load that hangs: a miss for the request (its slot stays busy until it ends).
+            self._remember_failure(tier, key, now + FAILURE_TTL_S)
+            self.metrics.lookup(self.tiers[tier].name, "timeout", now - started)
+            return LookupResult.MISS
         if not any((index, key) in self._asking for index in range(len(self.tiers))):
             self.metrics.lookup(HOST, "miss")  # once per miss, not once per step it waits
         for index, tier in enumerate(self.tiers):
-            if (index, key) in self._failed:
+            if self._failed.get((index, key), 0.0) > now:
                 continue
             answer = tier.lookup(key, request_id)
-            now = time.monotonic()
             asked = self._asking.get((index, key))
             if answer in (LookupResult.RETRY, LookupResult.HIT_PENDING):
                 if asked is None:
@@ -132,6 +148,8 @@ class TieringManager:
                 if now - asked < self.config.lookup_timeout_s:
                     return LookupResult.RETRY
                 del self._asking[(index, key)]
+                # Not asked again for a while: the next step moves on, a later one may retry.
+                self._remember_failure(index, key, now + FAILURE_TTL_S)
                 self.metrics.lookup(tier.name, "timeout", now - asked)
                 continue
             self._asking.pop((index, key), None)
@@ -140,25 +158,30 @@ class TieringManager:
                 self.metrics.lookup(tier.name, "miss", waited)
                 continue
             self.metrics.lookup(tier.name, "hit", waited)
-            return self._promote(index, key, request_id)
+            return self._promote(index, key, request_id, keep)
         return LookupResult.MISS
 
-    def _promote(self, tier: int, key: bytes, request_id: str) -> LookupResult:
-        allocation = self.host.allocate([key])
+    def _promote(
+        self, tier: int, key: bytes, request_id: str, keep: Collection[bytes]
+    ) -> LookupResult:
+        allocation = self.host.allocate([key], keep)
         if allocation is None:
             self.metrics.refused.labels("load").inc()
             return LookupResult.MISS
-        self._promoting[key] = tier
+        self._promoting[key] = (tier, time.monotonic())
         self._to_promote.setdefault((tier, request_id), []).append((key, allocation.slots[key]))
         return LookupResult.RETRY
 
     def lookup_prefix(self, keys: Sequence[bytes], request_id: str) -> PrefixLookup:
         """How many leading chunks of a request can be loaded now. Past the first chunk that
         is not ready it keeps asking (so one step batches every lookup and promotion of the
-        request) and stops at the first miss."""
+        request) and stops at the first miss. Promotions never evict the chunks found before
+        them, so a prefix longer than the host tier ends where the tier is full instead of
+        chasing itself. Load the hits before the next lookup of another request: that one's
+        promotions may evict them."""
         hits, retry = 0, False
-        for key in keys:
-            answer = self.lookup(key, request_id)
+        for index, key in enumerate(keys):
+            answer = self.lookup(key, request_id, keys[:index])
             if answer is LookupResult.MISS:
                 break
             if answer is LookupResult.HIT and not retry:
@@ -211,9 +234,15 @@ class TieringManager:
                 continue
             slots = self.host.pin(keys)
             job_id = next(self._job_ids)
+            try:
+                tier.submit_store(TransferJob(job_id, list(keys), slots, False, request_id))
+            except Exception:
+                log.exception("tier %s refused a store", tier.name)
+                self.host.unpin(keys)
+                self.metrics.failures.labels(tier.name, "store").inc()
+                continue
             self._jobs[job_id] = _Job(index, list(keys), promotion=False)
             self._pending_stores[index] += len(keys)
-            tier.submit_store(TransferJob(job_id, list(keys), slots, False, request_id))
 
     def record_device_transfer(self, direction: str, moved: int, seconds: float | None) -> None:
         """A device <-> host copy finished (the workers report these)."""
@@ -229,7 +258,12 @@ class TieringManager:
             keys = [key for key, _ in entries]
             self._jobs[job_id] = _Job(index, keys, promotion=True)
             slots = [slot for _, slot in entries]
-            self.tiers[index].submit_load(TransferJob(job_id, keys, slots, True, request_id))
+            try:
+                self.tiers[index].submit_load(TransferJob(job_id, keys, slots, True, request_id))
+            except Exception:
+                log.exception("tier %s refused a load", self.tiers[index].name)
+                del self._jobs[job_id]
+                self._finish_promotion(index, keys, set())
         self._to_promote.clear()
         for tier in self.tiers:
             tier.on_schedule_end()
@@ -283,11 +317,16 @@ class TieringManager:
             self._promoting.pop(key, None)
         for key in loaded:
             self._source[key] = tier
+        while len(self._source) > 4 * self.num_slots:  # promoted, then never loaded
+            self._source.popitem(last=False)
         for key in failed:
-            self._failed[(tier, key)] = None
-        for bounded in (self._source, self._failed):
-            while len(bounded) > 4 * self.num_slots:
-                bounded.popitem(last=False)
+            self._remember_failure(tier, key, math.inf)
+
+    def _remember_failure(self, tier: int, key: bytes, until: float) -> None:
+        """The tier is skipped for this key until then, or until a store puts it there."""
+        self._failed[(tier, key)] = until
+        while len(self._failed) > 4 * self.num_slots:
+            self._failed.popitem(last=False)
 
     def take_events(self) -> list[ConnectorEvent]:
         """Chunks stored in and removed from each tier since the last call."""
@@ -333,6 +372,9 @@ class TieringManager:
             self._shutdown_tiers()
             if self._publisher is not None:
                 self._publisher.close()
+            if self._http is not None:
+                self._http.shutdown()
+                self._http.server_close()
 
     def _shutdown_tiers(self) -> None:
         for tier in self.tiers:

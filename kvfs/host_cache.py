@@ -14,7 +14,7 @@ the caller serialises calls.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -94,15 +94,18 @@ class HostCache:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def allocate(self, keys: Iterable[bytes]) -> Allocation | None:
+    def allocate(self, keys: Iterable[bytes], keep: Collection[bytes] = ()) -> Allocation | None:
         """Slots to write the missing ``keys`` into (present ones are skipped), marked busy
-        until ``complete_write``; None, with nothing changed, if they do not all fit."""
+        until ``complete_write``; None, with nothing changed, if they do not all fit.
+        Chunks in ``keep`` are not evicted for them (a lookup's hits, about to be loaded)."""
         wanted = list(dict.fromkeys(k for k in keys if k not in self._entries))
-        evictable = len(self._entries) - self._busy
+        kept = sum(1 for k in set(keep) if (e := self._entries.get(k)) and e.ready and not e.pins)
+        evictable = len(self._entries) - self._busy - kept
         shortfall = len(wanted) - len(self._free)
         if shortfall > evictable:
             return None
-        evicted = [self._evict_one() for _ in range(max(0, shortfall))]
+        exempt = (lambda k: self._is_busy(k) or k in keep) if keep else self._is_busy
+        evicted = [self._evict_one(exempt) for _ in range(max(0, shortfall))]
         slots = {}
         for key in wanted:
             entry = _Entry(self._free.pop())
@@ -168,8 +171,8 @@ class HostCache:
 
     # -- removal ----------------------------------------------------------------------------
 
-    def _evict_one(self) -> bytes:
-        victim = self._policy.evict(self._is_busy)
+    def _evict_one(self, exempt: Callable[[bytes], bool]) -> bytes:
+        victim = self._policy.evict(exempt)
         assert victim is not None, "allocate counted an evictable slot that is not there"
         self._free.append(self._entries.pop(victim).slot)
         return victim

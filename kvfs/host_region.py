@@ -120,7 +120,12 @@ class HostRegion:
             raise RegionError(f"cannot create {path}: {err.strerror}") from err
         finally:
             os.unlink(building)
-        return cls(path, fd, slot_bytes, num_slots)
+        try:
+            return cls(path, fd, slot_bytes, num_slots)
+        except BaseException:  # could not map it: leave no name and no lock behind
+            os.unlink(path)
+            os.close(fd)
+            raise
 
     @classmethod
     def attach(

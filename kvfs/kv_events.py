@@ -12,11 +12,20 @@ The mount publishes with medium "kvfs"; the connector with "CPU" for its host ti
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import msgpack
 import zmq
+
+
+def external_hash(block_hash: bytes) -> bytes | int:
+    """A block hash as vLLM publishes it: by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1)
+    the low 64 bits as an integer, so that routers can match kvfs's events with vLLM's."""
+    if os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") == "0":
+        return block_hash
+    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
 
 
 class EventPublisher:
@@ -40,7 +49,7 @@ class EventPublisher:
     ) -> None:
         event: dict[str, Any] = {
             "type": "BlockStored",
-            "block_hashes": block_hashes,
+            "block_hashes": [external_hash(h) for h in block_hashes],
             "parent_block_hash": None,
             "token_ids": [],
             "block_size": block_size,
@@ -57,7 +66,8 @@ class EventPublisher:
         medium: str,
         ownership: str | None = None,
     ) -> None:
-        event = {"type": "BlockRemoved", "block_hashes": block_hashes, "medium": medium}
+        hashes = [external_hash(h) for h in block_hashes]
+        event = {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
         self._pending.append(_optional(event, group_idx=group, ownership=ownership))
 
     def flush(self) -> None:
@@ -75,7 +85,7 @@ class EventPublisher:
 
     def close(self) -> None:
         self.flush()
-        self._socket.close()
+        self._socket.close(linger=200)  # ms: let the last batch go, never hang on a subscriber
 
 
 def _optional(event: dict[str, Any], **fields: Any) -> dict[str, Any]:

@@ -48,3 +48,10 @@ class SlowTier(MemoryTier):
                 super().submit_store(job)
             self._held = []
         return super().get_finished_jobs()
+
+
+class StuckLoadTier(MemoryTier):
+    """Loads that never finish (a read stuck on a hung server)."""
+
+    def submit_load(self, job: TransferJob) -> None:
+        return  # never reported: the manager's deadline must free the request

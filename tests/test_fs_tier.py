@@ -140,10 +140,27 @@ def test_files_of_the_wrong_size_are_misses_and_never_load(tmp_path: Path) -> No
         assert lookups(tier, keys) == [LookupResult.MISS, LookupResult.MISS, LookupResult.HIT]
         region.array[:] = 7
         result = run(tier, TransferJob(1, keys, [0, 1, 2], True, "r"))
-        assert not result.success and list(result.successful_keys or ()) == []
+        assert not result.success and list(result.successful_keys or ()) == keys[2:]
         assert (region.array[0] == 7).all(), "a failed load wrote into its slot"
         assert not os.path.exists(tier.path(keys[0])), "a torn (short) file is removed"
         assert os.path.exists(tier.path(keys[1])), "a longer file (another config?) is kept"
         assert lookups(tier, keys[:1]) == [LookupResult.MISS]
+    finally:
+        tier.shutdown()
+
+
+def test_a_load_keeps_every_chunk_that_arrived_whole(tmp_path: Path) -> None:
+    region = vllm_tier.HostRegion(6, ROW)
+    tier = kvfs_tier(tmp_path, region)
+    try:
+        fill(region, range(0, 3), seed=5)
+        keys = vllm_tier.new_keys(3)
+        assert run(tier, TransferJob(1, keys, [0, 1, 2], False, "r")).success
+        os.unlink(tier.path(keys[1]))  # evicted between its lookup and its load
+        result = run(tier, TransferJob(2, keys, [3, 4, 5], True, "r"))
+        assert not result.success and list(result.successful_keys or ()) == [keys[0], keys[2]]
+        assert np.array_equal(region.array[[3, 5]], region.array[[0, 2]])
+        assert lookups(tier, keys) == [LookupResult.HIT, LookupResult.MISS, LookupResult.HIT]
+        assert run(tier, TransferJob(3, [], [], True, "r")).success  # an empty job is reported
     finally:
         tier.shutdown()

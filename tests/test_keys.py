@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ from vllm.v1.request import Request
 
 from kvfs.keys import BlockHasher, chunk_keys, make_offload_key, split_offload_key
 from kvfs.run_config import KVCacheGroupConfig, RunConfig
+from tests import vllm_tier
 
 pytestmark = pytest.mark.vllm
 
@@ -148,25 +148,13 @@ def test_namespace_and_paths_equal_vllms(config: RunConfig) -> None:
 
 
 def test_config_json_is_the_file_vllms_fs_tier_writes(tmp_path: Path) -> None:
-    spec = SimpleNamespace(
-        blocks_per_chunk=2,
-        kv_events_config=SimpleNamespace(enable_kv_cache_events=False),
-        config=SimpleNamespace(
-            model=SimpleNamespace(name="org/model-7b", dtype="bfloat16"),
-            cache=SimpleNamespace(tokens_per_hash=16),
-            groups=[SimpleNamespace(tokens_per_block=16, layer_names=["l.0", "l.1"])],
-            parallel=SimpleNamespace(
-                tp_size=2, pp_size=1, pcp_size=1, dcp_size=1, rank=0, is_parallelism_agnostic=True
-            ),
-            canonical_layout=False,
-            kv_cache_layout=None,
-            replicated_layout=False,
-        ),
+    spec = vllm_tier.minimal_spec(
+        "org/model-7b", blocks_per_chunk=2, tp_size=2, layer_names=("l.0", "l.1")
     )
     region = np.zeros((2, 4096), dtype=np.uint8)
     tier = FileSystemTierManager(
         spec, memoryview(region), "fs", root_dir=str(tmp_path), n_read_threads=1, n_write_threads=1
-    )  # type: ignore[arg-type]
+    )
     tier.shutdown()
     ours = RunConfig(
         "org/model-7b", 16, 2, "bfloat16", (KVCacheGroupConfig(16, ("l.0", "l.1")),), tp_size=2

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import zmq
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvfs.config import ConfigError
 from kvfs.connector.kv_connector import KVConnector
@@ -314,7 +315,7 @@ def test_kv_events_reach_a_subscriber_in_vllms_wire_format(harness_factory: Any)
         keys = h.keys(2)
         h.store(keys)
         h.conn.step()
-        seen: dict[tuple[str | None, str | None], set[bytes]] = {}
+        seen: dict[tuple[str | None, str | None], set[bytes | int]] = {}
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and len(seen) < 2:
             if sub.poll(200):
@@ -324,7 +325,47 @@ def test_kv_events_reach_a_subscriber_in_vllms_wire_format(harness_factory: Any)
                     assert isinstance(event, BlockStored)
                     where = (event.medium, event.ownership)
                     seen.setdefault(where, set()).update(event.block_hashes)
-        hashes = {key[:-4] for key in keys}
+        hashes = {maybe_convert_block_hash(key[:-4]) for key in keys}  # as vLLM publishes them
         assert seen == {("CPU", "host"): hashes, ("CPU", "ram"): hashes}
     finally:
         sub.close()
+
+
+def test_a_lookup_that_timed_out_is_not_waited_for_again(harness_factory: Any) -> None:
+    h = harness_factory(
+        cpu_bytes_to_use=64 << 20,
+        lookup_timeout_s=0.2,
+        secondary_tiers=[{"type": "HangingTier", "module_path": "tests.oot_tiers"}],
+    )
+    keys = h.keys(1)
+    h.settle(keys)
+    started = time.monotonic()
+    found = h.conn.lookup(keys, "req")  # a later request for the same chunk
+    assert (found.hits, found.retry) == (0, False) and time.monotonic() - started < 0.1
+
+
+def test_a_prefix_longer_than_the_host_tier_ends_where_it_is_full(harness_factory: Any) -> None:
+    """Promotions must not evict the chunks found before them (or a request chases itself)."""
+    h = harness_factory(cpu_bytes_to_use=2 * 4096, secondary_tiers=[{"type": "memory"}])
+    keys = h.keys(3)
+    for i, key in enumerate(keys):  # one at a time: each evicts the one before from host
+        h.store([key], first_block=i * BPC)
+    h.conn.manager.reset()
+    hits, steps = h.settle(keys, max_steps=20)
+    assert hits == 2 and steps <= 4
+    assert h.load(keys[:2], first_block=12) == ("memory", "memory")
+    assert h.loaded_equal(0, 12, 2 * BPC)
+
+
+def test_a_promotion_that_never_ends_is_a_miss_after_the_deadline(harness_factory: Any) -> None:
+    h = harness_factory(
+        cpu_bytes_to_use=64 << 20,
+        lookup_timeout_s=0.2,
+        secondary_tiers=[{"type": "StuckLoadTier", "module_path": "tests.oot_tiers"}],
+    )
+    keys = h.keys(2)
+    h.store(keys)
+    h.conn.manager.reset()
+    started = time.monotonic()
+    hits, _ = h.settle(keys)
+    assert hits == 0 and time.monotonic() - started < 3

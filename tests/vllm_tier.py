@@ -20,17 +20,27 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 
-def minimal_spec(model: str = "kvfs-test/tiny-model") -> Any:
+def minimal_spec(
+    model: str = "kvfs-test/tiny-model",
+    blocks_per_chunk: int = 1,
+    tp_size: int = 1,
+    layer_names: tuple[str, ...] = ("layers.0", "layers.1"),
+) -> Any:
     """The fields of an OffloadingSpec that the fs tier reads, and nothing else."""
     return SimpleNamespace(
-        blocks_per_chunk=1,
+        blocks_per_chunk=blocks_per_chunk,
         kv_events_config=SimpleNamespace(enable_kv_cache_events=False),
         config=SimpleNamespace(
             model=SimpleNamespace(name=model, dtype="bfloat16"),
             cache=SimpleNamespace(tokens_per_hash=16),
-            groups=[SimpleNamespace(tokens_per_block=16, layer_names=["layers.0", "layers.1"])],
+            groups=[SimpleNamespace(tokens_per_block=16, layer_names=list(layer_names))],
             parallel=SimpleNamespace(
-                tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, rank=0, is_parallelism_agnostic=True
+                tp_size=tp_size,
+                pp_size=1,
+                pcp_size=1,
+                dcp_size=1,
+                rank=0,
+                is_parallelism_agnostic=True,
             ),
             canonical_layout=False,
             kv_cache_layout=None,

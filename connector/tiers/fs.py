@@ -14,6 +14,7 @@ configuration never counts as a hit.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -150,10 +151,10 @@ class FsTier(SecondaryTier):
         request's many chunks then load (or store) in parallel, not one after another."""
         size = self._fanout
         pieces = [range(i, min(i + size, len(job.keys))) for i in range(0, len(job.keys), size)]
-        state = _InFlight(job, len(pieces), time.perf_counter())
+        state = _InFlight(job, max(1, len(pieces)), time.perf_counter())
         with self._idle:
             self._in_flight += 1
-        if not pieces:
+        if not pieces:  # nothing to move: done, and reported like any job
             self._piece_done(state, _Piece([], True), None)
         for piece in pieces:
             self._pool.submit(
@@ -189,31 +190,31 @@ class FsTier(SecondaryTier):
 
     def _store(self, job: TransferJob, piece: range) -> _Piece:
         """Write each chunk of the piece; the keys newly written (others were there)."""
-        written = []
+        written, ok = [], True
         for i in piece:
             try:
                 if chunk_io.store(self.path(job.keys[i]), self.slot(job.slots[i]), self.o_direct):
                     written.append(job.keys[i])
             except OSError as err:
-                log.debug(
-                    "fs tier %s: store of %s failed: %s", self.name, self.path(job.keys[i]), err
-                )
-                return _Piece(written, False)
-        return _Piece(written, True)
+                log.debug("fs tier %s: store of %s: %s", self.name, job.keys[i].hex(), err)
+                ok = False
+                if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                    break  # the rest would fail the same way
+        return _Piece(written, ok)
 
     def _load(self, job: TransferJob, piece: range) -> _Piece:
-        """Read each chunk of the piece, stopping at the first that fails."""
-        loaded = []
+        """Read each chunk of the piece; one that fails does not stop the others (each is
+        a file of its own, and a miss only if it really failed)."""
+        loaded, ok = [], True
         for i in piece:
             try:
                 chunk_io.load_into(self.path(job.keys[i]), self.slot(job.slots[i]), self.o_direct)
             except OSError as err:
-                log.debug(
-                    "fs tier %s: load of %s failed: %s", self.name, self.path(job.keys[i]), err
-                )
-                return _Piece(loaded, False)
+                log.debug("fs tier %s: load of %s: %s", self.name, job.keys[i].hex(), err)
+                ok = False
+                continue
             loaded.append(job.keys[i])
-        return _Piece(loaded, True)
+        return _Piece(loaded, ok)
 
     def get_finished_jobs(self) -> list[JobResult]:
         results = []

@@ -65,7 +65,7 @@ class MemoryTier(SecondaryTier):
         for key, slot in zip(job.keys, job.slots, strict=True):
             chunk = None if self.fail_loads else self._chunks.get(key)
             if chunk is None:
-                break  # a prefix is all a request can use
+                continue  # evicted since its lookup: that key failed, the others need not
             self.slot(slot)[:] = chunk
             self._chunks.move_to_end(key)
             loaded.append(key)
