@@ -11,7 +11,8 @@ submitting never waits for the device, and ``get_finished`` only queries events.
 region must be pinned (``host_memory.pin``) for the copies to be DMA. Without CUDA the same
 steps run on CPU tensors in one worker thread per direction.
 
-Contract with the caller (vLLM's worker contract): a stored job's device blocks stay untouched
+Contract with the caller (vLLM's worker contract): submit on the stream that wrote the blocks
+(the copies are ordered after what it has queued); a stored job's device blocks stay untouched
 until the job is reported finished, and may be freed at once then; a load is submitted only
 for chunks already in the host slots, into device blocks allocated just before, and they are
 valid once the job is reported finished. A job that fails is reported with success False; its
