@@ -60,46 +60,83 @@ class ExtentPool:
         return len(self._free) * EXTENT
 
 
+_ZEROS = memoryview(bytes(EXTENT))  # what a hole reads as
+
+
 class ChunkBuffer:
-    """The bytes of one file, ``size`` long, in extents. Bytes past ``size`` are undefined."""
+    """The bytes of one file, ``size`` long, in extents.
+
+    An extent that was never written is a hole (``None``): it reads as zeros and takes no
+    memory, so ``truncate -s 1G`` or a write at a 1 GiB offset costs one extent at most. In an
+    extent that exists, bytes below ``size`` are the file's; bytes past it are undefined.
+    """
 
     def __init__(self, pool: ExtentPool) -> None:
         self._pool = pool
-        self.extents: list[mmap.mmap] = []
+        self.extents: list[mmap.mmap | None] = []
         self.size = 0
 
     @property
     def capacity(self) -> int:
-        return len(self.extents) * EXTENT
+        """Memory held: the extents that exist, holes not counted."""
+        return sum(EXTENT for extent in self.extents if extent is not None)
 
-    def extra_extents(self, end: int) -> int:
-        """How many extents a write or truncate up to ``end`` would add."""
-        return max(0, extents_for(end) - len(self.extents))
+    def extents_to_add(self, offset: int, end: int) -> int:
+        """How many extents a write of [offset, end) would bring into existence."""
+        if end <= offset:
+            return 0
+        first, last = offset // EXTENT, (end - 1) // EXTENT
+        return sum(
+            1 for i in range(first, last + 1) if i >= len(self.extents) or self.extents[i] is None
+        )
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
-        """Copy ``data`` in at ``offset``, growing the file (a hole reads as zeros)."""
+        """Copy ``data`` in at ``offset``, growing the file (a gap reads as zeros)."""
         end = offset + len(data)
-        self._ensure(end)
+        if not data:
+            return
         if offset > self.size:
             self._zero(self.size, offset)
+        new_size = max(self.size, end)
+        if len(self.extents) < extents_for(end):
+            self.extents.extend([None] * (extents_for(end) - len(self.extents)))
         src = memoryview(data)
         pos = offset
         while src:
             index, start = divmod(pos, EXTENT)
             count = min(len(src), EXTENT - start)
-            self.extents[index][start : start + count] = src[:count]
+            extent = self.extents[index]
+            if extent is None:
+                extent = self.extents[index] = self._pool.take()
+                base = index * EXTENT
+                # Fresh (or reused) memory: what the write does not cover and the file does
+                # must read as zeros.
+                extent[0:start] = _ZEROS[:start]
+                tail = min(EXTENT, new_size - base)
+                if tail > start + count:
+                    extent[start + count : tail] = _ZEROS[: tail - start - count]
+            extent[start : start + count] = src[:count]
             src, pos = src[count:], pos + count
-        self.size = max(self.size, end)
+        self.size = new_size
 
     def truncate(self, size: int) -> None:
+        """Grow with zeros (a hole, no memory) or shrink."""
         if size > self.size:
-            self._ensure(size)
             self._zero(self.size, size)
         else:
             keep = extents_for(size)
-            self._pool.give(self.extents[keep:])
+            self._pool.give([e for e in self.extents[keep:] if e is not None])
             del self.extents[keep:]
         self.size = size
+
+    def allocate(self, size: int) -> list[mmap.mmap]:
+        """Make an empty buffer ``size`` long with every extent in memory (to read a file
+        into); returns the extents, in order. Their content is undefined until written."""
+        assert not self.extents
+        extents = [self._pool.take() for _ in range(extents_for(size))]
+        self.extents = list(extents)
+        self.size = size
+        return extents
 
     def read(self, offset: int, size: int) -> memoryview | bytes:
         """Bytes [offset, offset+size) clipped to the file; a view when one extent holds them."""
@@ -108,18 +145,27 @@ class ChunkBuffer:
             return b""
         index, start = divmod(offset, EXTENT)
         if end - offset <= EXTENT - start:
-            return memoryview(self.extents[index])[start : start + end - offset]
+            extent = self._extent(index)
+            return memoryview(extent)[start : start + end - offset]
         return b"".join(self.views(offset, end))
 
     def views(self, offset: int = 0, end: int | None = None) -> list[memoryview]:
-        """The bytes [offset, end) as one view per extent, in order."""
+        """The bytes [offset, end) as one view per extent, in order (holes as zeros)."""
+        return [view for _, view, _ in self.segments(offset, end)]
+
+    def segments(
+        self, offset: int = 0, end: int | None = None
+    ) -> list[tuple[int, memoryview, bool]]:
+        """(file offset, bytes, is a hole) per extent of [offset, end)."""
         end = self.size if end is None else end
         out = []
         pos = offset
         while pos < end:
             index, start = divmod(pos, EXTENT)
             count = min(end - pos, EXTENT - start)
-            out.append(memoryview(self.extents[index])[start : start + count])
+            extent = self.extents[index] if index < len(self.extents) else None
+            view = (_ZEROS if extent is None else memoryview(extent))[start : start + count]
+            out.append((pos, view, extent is None))
             pos += count
         return out
 
@@ -131,14 +177,21 @@ class ChunkBuffer:
 
     def release(self) -> None:
         """Give every extent back to the pool; the buffer is empty afterwards."""
-        self._pool.give(self.extents)
+        self._pool.give([e for e in self.extents if e is not None])
         self.extents = []
         self.size = 0
 
-    def _ensure(self, end: int) -> None:
-        while self.capacity < end:
-            self.extents.append(self._pool.take())
+    def _extent(self, index: int) -> mmap.mmap | memoryview:
+        extent = self.extents[index] if index < len(self.extents) else None
+        return _ZEROS if extent is None else extent
 
     def _zero(self, start: int, end: int) -> None:
-        for view in self.views(start, end):
-            view[:] = bytes(len(view))
+        """Zero [start, end) where extents exist (holes already read as zeros)."""
+        pos = start
+        while pos < end:
+            index, offset = divmod(pos, EXTENT)
+            count = min(end - pos, EXTENT - offset)
+            extent = self.extents[index] if index < len(self.extents) else None
+            if extent is not None:
+                extent[offset : offset + count] = _ZEROS[:count]
+            pos += count

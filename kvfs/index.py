@@ -7,10 +7,16 @@ and stats (misses included) are answered from here without touching the disk.
 Inode numbers are the daemon's own: 1 is the root, the rest count up and are never reused
 while the daemon runs. A node that leaves the tree (unlink, rename over it) stays reachable by
 inode number while the kernel still knows it (lookup count) or a file handle holds it.
+
+Regular files are the chunks: counted, charged against the capacity and ordered for eviction.
+Symlinks, fifos, sockets and device nodes are in the tree like on any filesystem, but are none
+of that. A file with hard links has one primary name (``parent``, ``name``: where the index
+counts it) and its other names in ``links``.
 """
 
 from __future__ import annotations
 
+import os
 import stat
 from collections.abc import Callable, Iterator
 
@@ -33,6 +39,7 @@ class Node:
         "hits",
         "ino",
         "last_read_ns",
+        "links",
         "lookups",
         "meta",
         "mode",
@@ -42,7 +49,11 @@ class Node:
         "open_count",
         "parent",
         "pinned",
+        "rdev",
+        "rewritten",
         "size",
+        "subdirs",
+        "target",
         "tree_bytes",
         "tree_files",
         "uid",
@@ -62,6 +73,9 @@ class Node:
         self.last_read_ns = 0  # persisted with the file, so recency survives a restart
         self.hits = 0
         self.pinned = False  # exempt from eviction (on a directory: everything below it)
+        # Published again in place since the kernel may have cached its pages: readers then
+        # bypass the page cache, which per inode cannot hold two versions.
+        self.rewritten = False
         # On directories: published files and bytes below, kept exact, so per-namespace
         # reports need no walk; and a namespace's parsed config.json, if it has one.
         self.tree_files = 0
@@ -71,12 +85,27 @@ class Node:
         # in .kvfs/unlinked/<ino> once it left the tree but the kernel may still open it.
         self.on_backing = False
         self.children: dict[bytes, Node] | None = {} if stat.S_ISDIR(mode) else None
+        self.subdirs = 0  # on directories: how many children are directories (for st_nlink)
+        self.links: list[tuple[Node, bytes]] = []  # names besides (parent, name): hard links
+        self.target = b""  # what a symlink points to
+        self.rdev = 0  # a device node's device
         self.lookups = 0  # the kernel's lookup count (see pyfuse3's forget)
         self.open_count = 0
 
     @property
     def is_dir(self) -> bool:
         return self.children is not None
+
+    @property
+    def is_file(self) -> bool:
+        """A regular file: a chunk, or at least what the capacity counts."""
+        return stat.S_ISREG(self.mode)
+
+    @property
+    def nlink(self) -> int:
+        if self.children is not None:
+            return 2 + self.subdirs
+        return 1 + len(self.links)
 
     @property
     def attached(self) -> bool:
@@ -125,11 +154,39 @@ class Index:
         parent.children[name] = node
         if node.is_dir:
             self.dirs += 1
-        else:
+            parent.subdirs += 1
+        elif node.is_file:
             self.files += 1
             self._count(node, +1)
             if track:
                 self.policy.insert(node.ino, node.size)
+
+    def link(self, node: Node, parent: Node, name: bytes) -> None:
+        """Give an attached file one more name (a hard link); it is counted once."""
+        assert parent.children is not None and name not in parent.children and node.attached
+        parent.children[name] = node
+        node.links.append((parent, name))
+        self.policy.remove(node.ino)  # a file with several names is never evicted
+
+    def unlink(self, parent: Node, name: bytes) -> Node:
+        """Remove one name; the node leaves the tree with its last one."""
+        assert parent.children is not None
+        node = parent.children[name]
+        if not node.links:
+            self.detach(node)
+            return node
+        if (parent, name) in node.links:
+            node.links.remove((parent, name))
+            del parent.children[name]
+        else:  # its primary name: another takes its place
+            new_parent, new_name = node.links.pop(0)
+            del parent.children[name]
+            self._propagate(parent, -1, -node.size)
+            node.parent, node.name = new_parent, new_name
+            self._propagate(new_parent, 1, node.size)
+        if not node.links:
+            self.policy.insert(node.ino, node.size)
+        return node
 
     def detach(self, node: Node) -> None:
         """Take a node out of the tree; it lives on while the kernel or a handle holds it."""
@@ -137,37 +194,50 @@ class Index:
         assert parent is not None and parent.children is not None
         if node.is_dir:
             self.dirs -= 1
-        else:
+        elif node.is_file:
             self.files -= 1
             self._count(node, -1)
             self.policy.remove(node.ino)
+        if node.is_dir:
+            parent.subdirs -= 1
         del parent.children[node.name]
         node.parent = None
         self.release_if_unused(node)
 
-    def move(self, node: Node, new_parent: Node, new_name: bytes) -> None:
-        old_parent = node.parent
-        assert old_parent is not None and old_parent.children is not None
+    def move(self, old_parent: Node, old_name: bytes, new_parent: Node, new_name: bytes) -> None:
+        """Rename one name of a node (of a hard-linked file: that name only)."""
+        assert old_parent.children is not None
+        node = old_parent.children[old_name]
         assert new_parent.children is not None and new_name not in new_parent.children
-        files, size = (node.tree_files, node.tree_bytes) if node.is_dir else (1, node.size)
-        self._propagate(old_parent, -files, -size)
-        del old_parent.children[node.name]
-        node.parent, node.name = new_parent, new_name
+        del old_parent.children[old_name]
         new_parent.children[new_name] = node
+        if (old_parent, old_name) in node.links:
+            node.links[node.links.index((old_parent, old_name))] = (new_parent, new_name)
+            return
+        if node.is_dir:
+            old_parent.subdirs -= 1
+            new_parent.subdirs += 1
+            files, size = node.tree_files, node.tree_bytes
+        else:
+            files, size = (1, node.size) if node.is_file else (0, 0)
+        self._propagate(old_parent, -files, -size)
+        node.parent, node.name = new_parent, new_name
         self._propagate(new_parent, files, size)
 
     def set_published(self, node: Node, size: int, blocks: int) -> None:
         """Record a new published version's size, keeping the totals exact."""
-        if node.attached and not node.is_dir:
+        if node.attached and node.is_file:
             self._count(node, -1)
         node.size, node.blocks = size, blocks
-        if node.attached and not node.is_dir:
+        if node.attached and node.is_file:
             self._count(node, +1)
-            self.policy.insert(node.ino, size)
+            if not node.links:
+                self.policy.insert(node.ino, size)
 
     def restore_policy(self) -> None:
         """Order every file for eviction by its persisted last read (start-up)."""
-        for node in sorted(self.walk_files(), key=lambda n: (n.last_read_ns, n.ino)):
+        files = (node for node in self.walk_files() if not node.links)
+        for node in sorted(files, key=lambda n: (n.last_read_ns, n.ino)):
             self.policy.restore(node.ino, node.size, node.hits)
 
     def read(self, node: Node, now_ns: int) -> None:
@@ -198,6 +268,13 @@ class Index:
             self.on_release(node)
 
     @staticmethod
+    def paths(node: Node) -> list[bytes]:
+        """Every name of an attached node, its primary first."""
+        return [Index.path(node)] + [
+            os.path.join(Index.path(parent), name) for parent, name in node.links
+        ]
+
+    @staticmethod
     def path(node: Node) -> bytes:
         """The node's path relative to the root (b"" for the root); the node must be attached."""
         parts: list[bytes] = []
@@ -217,13 +294,16 @@ class Index:
         return False
 
     def walk_files(self, top: Node | None = None) -> Iterator[Node]:
+        """Every regular file below ``top`` (once, by its primary name)."""
         stack = [top or self.root]
         while stack:
             node = stack.pop()
-            if node.children is None:
+            if node.children is not None:
+                stack.extend(
+                    c for n, c in node.children.items() if c.parent is node and c.name == n
+                )
+            elif node.is_file:
                 yield node
-            else:
-                stack.extend(node.children.values())
 
     def _count(self, node: Node, sign: int) -> None:
         self.bytes += sign * node.size

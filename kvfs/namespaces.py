@@ -21,12 +21,54 @@ CONFIG_NAME = b"config.json"
 _DATA_DIR = re.compile(rb"^(?P<config_dir>.+)_r\d+$")
 
 
+CONFIG_MAX_BYTES = 1 << 20  # a real config.json is a few hundred bytes
+
+
 def parse_config(data: bytes) -> dict[str, Any] | None:
+    """What the reports need from a namespace's config.json, validated; None if unusable.
+
+    The file is written by whoever can write to the mount, so it is untrusted: it may be huge,
+    nested 200,000 deep or hold a string where a number belongs. Only the three fields kvfs
+    uses are kept, each of the type it must have.
+    """
+    if len(data) > CONFIG_MAX_BYTES:
+        return None
     try:
         config = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
-    return config if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        return None
+    return {
+        "model_name": _text(config.get("model_name")),
+        "dtype": _text(config.get("dtype")),
+        "tokens_per_chunk": _tokens_per_chunk(config),
+    }
+
+
+def _text(value: object) -> str | None:
+    return value[:200] if isinstance(value, str) else None
+
+
+def _count(value: object) -> int | None:
+    """A positive integer (bool is not one), else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 32:
+        return value
+    return None
+
+
+def _tokens_per_chunk(config: dict[str, Any]) -> int | None:
+    """blocks per file x tokens per block (of the first KV-cache group)."""
+    blocks = _count(config.get("blocks_per_file")) or _count(config.get("gpu_blocks_per_file"))
+    groups = config.get("kv_cache_groups")
+    per_block = None
+    if isinstance(groups, list) and groups and isinstance(groups[0], dict):
+        first = groups[0]
+        per_block = _count(first.get("tokens_per_block")) or _count(first.get("block_size"))
+    per_block = (
+        per_block or _count(config.get("tokens_per_hash")) or _count(config.get("hash_block_size"))
+    )
+    return (blocks or 1) * per_block if per_block else None
 
 
 def is_namespace_config(node: Node) -> bool:
@@ -52,16 +94,7 @@ def config_for(index: Index, top: Node) -> dict[str, Any] | None:
 
 
 def tokens_per_chunk(config: dict[str, Any] | None) -> int | None:
-    """blocks per file x tokens per block (of the first KV-cache group)."""
-    if not config:
-        return None
-    blocks = config.get("blocks_per_file") or config.get("gpu_blocks_per_file") or 1
-    groups = config.get("kv_cache_groups") or []
-    per_block = None
-    if groups and isinstance(groups[0], dict):
-        per_block = groups[0].get("tokens_per_block") or groups[0].get("block_size")
-    per_block = per_block or config.get("tokens_per_hash") or config.get("hash_block_size")
-    return int(blocks) * int(per_block) if per_block else None
+    return config.get("tokens_per_chunk") if config else None
 
 
 def top_level(node: Node) -> Node | None:

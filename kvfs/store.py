@@ -132,14 +132,14 @@ class BackingStore:
     def scan(self, index: Index) -> int:
         """Fill an empty index from the backing tree; returns how many engine temps it removed.
 
-        Only directories and regular files are part of the tree; anything else is skipped with a
-        log line (kvfs never creates it).
+        Files with several names (hard links) become one node with several names.
         """
         st = os.stat(self.root)
         root = index.root
         root.mode, root.uid, root.gid = st.st_mode, st.st_uid, st.st_gid
         root.atime_ns, root.mtime_ns, root.ctime_ns = st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns
         removed = 0
+        linked: dict[int, Node] = {}  # backing inode -> node, for files with several names
         stack: list[tuple[Node, bytes]] = [(root, self.root)]
         while stack:
             parent, abs_dir = stack.pop()
@@ -153,23 +153,29 @@ class BackingStore:
                         removed += 1
                         continue
                     est = entry.stat(follow_symlinks=False)
-                    if not (stat.S_ISDIR(est.st_mode) or stat.S_ISREG(est.st_mode)):
-                        log.warning(
-                            "skipping %r: kvfs serves only files and directories", entry.path
-                        )
+                    first = linked.get(est.st_ino) if est.st_nlink > 1 else None
+                    if first is not None and stat.S_ISREG(est.st_mode):
+                        index.link(first, parent, name)
                         continue
                     node = index.new_node(name, est.st_mode, est.st_uid, est.st_gid)
                     fill_times(node, est)
                     node.on_backing = True
-                    if node.children is None:
-                        node.size, node.blocks = est.st_size, est.st_blocks
+                    node.size, node.blocks, node.rdev = est.st_size, est.st_blocks, est.st_rdev
+                    if stat.S_ISLNK(est.st_mode):
+                        node.target = os.readlink(entry.path)
+                    elif node.is_file:
                         node.checksum = checksum.read_xattr(entry.path)
                         _read_recency(entry.path, node)
-                    node.pinned = _read_pinned(entry.path)
+                        if est.st_nlink > 1:
+                            linked[est.st_ino] = node
+                    if not stat.S_ISLNK(est.st_mode):
+                        node.pinned = _read_pinned(entry.path)
                     index.attach(parent, name, node, track=False)
-                    if node.children is None and namespaces.is_namespace_config(node):
+                    if node.is_file and namespaces.is_namespace_config(node):
                         with open(entry.path, "rb") as config:
-                            parent.meta = namespaces.parse_config(config.read(1 << 20))
+                            parent.meta = namespaces.parse_config(
+                                config.read(namespaces.CONFIG_MAX_BYTES + 1)
+                            )
                     if node.children is not None:
                         stack.append((node, entry.path))
         index.restore_policy()
@@ -199,11 +205,11 @@ class BackingStore:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
         fd = os.open(path, flags, mode & 0o7777)
         try:
-            offset = 0
-            for view in data.views():
-                while view:  # O_DIRECT writes of whole extents are never short on local disks
+            for offset, view, hole in data.segments():
+                while view and not hole:  # O_DIRECT writes of whole extents are never short
                     written = os.pwrite(fd, view, offset)
                     view, offset = view[written:], offset + written
+            os.ftruncate(fd, data.size)  # holes stay holes (sparse), as on any filesystem
             if self.xattrs and not checksum.write_xattr(fd, digest):
                 self.xattrs = False
                 log.warning("%s has no user xattrs: checksums are kept in memory only", self.root)
@@ -240,8 +246,7 @@ class BackingStore:
         size = os.fstat(fd).st_size
         buf = ChunkBuffer(pool)
         try:
-            buf.truncate(size)
-            for index, extent in enumerate(buf.extents):
+            for index, extent in enumerate(buf.allocate(size)):
                 want, view, got = min(EXTENT, size - index * EXTENT), memoryview(extent), 0
                 while got < want:
                     count = os.preadv(fd, [view[got:]], index * EXTENT + got)
@@ -301,13 +306,43 @@ class BackingStore:
     def mkdir(self, rel: bytes, mode: int, uid: int, gid: int) -> os.stat_result:
         path = self.abs(rel)
         try:
-            os.mkdir(path, mode & 0o7777)
+            os.mkdir(path, 0o700)
         except FileExistsError:
             if not os.path.isdir(path):  # a directory there is our own, left by a crash
                 raise
+        os.chmod(path, mode & 0o7777)  # exactly the mode asked, not less the daemon's umask
+        return self._own(path, uid, gid)
+
+    def symlink(self, target: bytes, rel: bytes, uid: int, gid: int) -> os.stat_result:
+        path = self.abs(rel)
+        os.symlink(target, path)
+        return self._own(path, uid, gid)
+
+    def mknod(self, rel: bytes, mode: int, rdev: int, uid: int, gid: int) -> os.stat_result:
+        """A fifo, socket, device node or empty regular file, as mknod(2) makes them."""
+        path = self.abs(rel)
+        os.mknod(path, mode, rdev)
+        os.chmod(path, mode & 0o7777)  # not subject to the daemon's own umask
+        return self._own(path, uid, gid)
+
+    def link(self, existing: bytes, new: bytes) -> None:
+        os.link(self.abs(existing), self.abs(new), follow_symlinks=False)
+
+    def relink(self, source: bytes, rel: bytes) -> None:
+        """Point the name ``rel`` at the file ``source`` names, atomically (a hard link made
+        under a temp name, then renamed over it)."""
+        tmp = self.abs(os.path.join(layout.TMP_DIR, os.urandom(8).hex().encode() + b".link"))
+        os.link(self.abs(source), tmp)
+        try:
+            os.rename(tmp, self.abs(rel))
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+    def _own(self, path: bytes, uid: int, gid: int) -> os.stat_result:
         if (uid, gid) != (os.geteuid(), os.getegid()):
-            os.chown(path, uid, gid)
-        return os.stat(path)
+            os.chown(path, uid, gid, follow_symlinks=False)
+        return os.lstat(path)
 
     def rmdir(self, rel: bytes) -> None:
         os.rmdir(self.abs(rel))
@@ -326,13 +361,14 @@ class BackingStore:
         times_ns: tuple[int, int] | None,
     ) -> os.stat_result:
         path = self.abs(rel)
-        if mode is not None:
+        is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+        if mode is not None and not is_link:  # a symlink's mode means nothing on Linux
             os.chmod(path, mode & 0o7777)
         if owner is not None:
-            os.chown(path, *owner)
+            os.chown(path, *owner, follow_symlinks=False)
         if times_ns is not None:
-            os.utime(path, ns=times_ns)
-        return os.stat(path)
+            os.utime(path, ns=times_ns, follow_symlinks=False)
+        return os.lstat(path)
 
     def statvfs(self) -> os.statvfs_result:
         return os.statvfs(self.root)

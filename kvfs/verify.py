@@ -12,6 +12,7 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,7 +72,9 @@ def _files(top: Path) -> Iterator[tuple[Path, int]]:
             dirnames[:] = [d for d in dirnames if d != os.fsdecode(layout.PRIVATE_DIR)]
         for name in filenames:
             file = Path(dirpath, name)
-            yield file, file.stat().st_size
+            st = file.lstat()
+            if stat.S_ISREG(st.st_mode):  # a fifo would block, a symlink is no chunk
+                yield file, st.st_size
 
 
 def _through_mount(files: list[tuple[Path, int]], bar: tqdm) -> Report:

@@ -1,17 +1,45 @@
-"""Trio-side helpers: await backing-store jobs, bound waits by a deadline, budget memory."""
+"""Trio-side helpers: await backing-store jobs, bound waits by a deadline, budget memory,
+and keep one request's failure from ending the daemon."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import trio
+from pyfuse3 import FUSEError
 
 from kvfs.io_queues import DualQueuePool, Queue
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def contained(name: str, handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Wrap a FUSE handler so that whatever it raises fails that request only.
+
+    pyfuse3 ends its main loop, and so the daemon and every client's mount, on any exception
+    that is not a FUSEError. An OSError keeps its errno; anything else is a bug in kvfs, or
+    input it did not foresee: logged with its traceback, and EIO for that one request.
+    """
+
+    @functools.wraps(handler)
+    async def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return await handler(*args, **kwargs)
+        except FUSEError:
+            raise
+        except OSError as err:
+            raise FUSEError(err.errno or errno.EIO) from None
+        except Exception:
+            log.exception("%s failed: EIO for this request", name)
+            raise FUSEError(errno.EIO) from None
+
+    return wrapper
 
 
 class Future(Generic[T]):
@@ -89,8 +117,8 @@ class Detached:
 class ByteBudget:
     """Bytes of buffered file data; acquirers wait until enough is released.
 
-    One holder may exceed the budget when it is the only one, so a file larger than the whole
-    budget still goes through (alone) instead of waiting forever.
+    No single file may need more than the whole budget (the caller refuses it with EFBIG):
+    a writer would then wait for bytes it holds itself.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -99,7 +127,8 @@ class ByteBudget:
         self._released = trio.Event()
 
     async def acquire(self, amount: int) -> None:
-        while self.used and self.used + amount > self.capacity:
+        assert amount <= self.capacity
+        while self.used + amount > self.capacity:
             await self._released.wait()
         self.used += amount
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, make_mount
+from tests.conftest import Mount, make_mount, small_filesystem
 from tools import vllm_io
 
 CHUNK = 256 << 10
@@ -217,3 +217,33 @@ def test_two_processes_writing_three_times_the_capacity_read_back_exact(
     assert left and len(left) * CHUNK <= CAPACITY
     for key in left:
         read(small_mount, key)
+
+
+def test_a_full_disk_evicts_rather_than_failing_stores_while_anything_may_go(
+    tmp_path: Path,
+) -> None:
+    """On a 64 MiB disk, 100 chunks of 2 MiB: every store succeeds. Evicted chunks are freed at
+    once, even those the kernel still holds (here: by O_PATH descriptors, as any process that
+    resolved the name may)."""
+    held: list[int] = []
+    with small_filesystem(tmp_path / "disk", "tmpfs", "size=64m") as disk:
+        mount = make_mount(disk)
+        mount.start()
+        try:
+            size = 2 << 20
+            for key in range(100):
+                target = vllm_io.chunk_path(str(mount.path), key)
+                assert vllm_io.store(target, vllm_io.chunk_bytes(key, size)), key
+                held.append(os.open(target, os.O_PATH))
+                if key % 3 == 0:
+                    assert vllm_io.load(target, size) == vllm_io.chunk_bytes(key, size)
+            mount.settle()
+            assert used(mount) <= int(os.getxattr(mount.path, "user.kvfs.capacity"))
+            assert int(os.getxattr(mount.path, "user.kvfs.evictions")) >= 70
+            assert not os.listdir(mount.backing / ".kvfs" / "unlinked")
+            last = vllm_io.chunk_path(str(mount.path), 99)
+            assert vllm_io.load(last, size) == vllm_io.chunk_bytes(99, size)
+        finally:
+            for fd in held:
+                os.close(fd)
+            mount.stop()

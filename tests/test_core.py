@@ -105,7 +105,7 @@ def test_index_keeps_totals_and_paths() -> None:
     index.set_published(f, 8192, 16)
     assert (index.files, index.dirs, index.bytes, index.charged) == (1, 1, 8192, 8192)
     assert Index.path(f) == b"d/f"
-    index.move(f, index.root, b"g")
+    index.move(f.parent, f.name, index.root, b"g")
     assert Index.path(f) == b"g" and index.bytes == 8192
     f.lookups = 1
     index.detach(f)
@@ -227,3 +227,21 @@ def test_s3fifo_exempt_entries_stay_and_ghosts_return_to_main() -> None:
     assert victims == [*range(2, 10), 1, None]  # new ones first; 1 is in main; 0 never
     s3.remove(0)
     assert len(s3) == 0
+
+
+def test_sparse_regions_take_no_memory_and_read_as_zeros() -> None:
+    """truncate -s 1G or a write at a 1 GiB offset must not materialise a gigabyte (D7)."""
+    pool = ExtentPool(8 << 20)
+    buf = ChunkBuffer(pool)
+    buf.write(0, b"head")
+    buf.truncate(1 << 30)
+    assert buf.size == 1 << 30 and buf.capacity == EXTENT
+    assert buf.extents_to_add(1 << 30, (1 << 30) + 3) == 1
+    buf.write(1 << 30, b"end")
+    assert buf.capacity == 2 * EXTENT
+    assert bytes(buf.read(0, 8)) == b"head" + bytes(4)
+    assert bytes(buf.read(512 << 20, 4096)) == bytes(4096)
+    assert bytes(buf.read((1 << 30) - 2, 10)) == b"\0\0end"
+    holes = [hole for _, _, hole in buf.segments()]
+    assert holes.count(False) == 2 and len(holes) == 1025
+    buf.release()

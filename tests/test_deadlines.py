@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,3 +84,37 @@ def test_a_read_from_a_stalled_store_fails_within_the_deadline_and_others_are_se
         except OSError:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+
+
+@pytest.mark.timeout(60)
+def test_a_close_that_stalls_on_the_store_holds_up_no_other_request(
+    stacked: tuple[Mount, Mount],
+) -> None:
+    outer, inner = stacked
+    path = vllm_io.chunk_path(str(outer.path), 0)
+    vllm_io.store(path, vllm_io.chunk_bytes(0, CHUNK), o_direct=True)
+    outer.settle()
+    # Should the daemon block on a close, the store wakes up after a while: the test ends.
+    wake = threading.Timer(8, os.kill, (inner.pid, signal.SIGCONT))
+    wake.start()
+    try:
+        with open(path, "rb") as reader:
+            assert reader.read() == vllm_io.chunk_bytes(0, CHUNK)
+            os.kill(inner.pid, signal.SIGSTOP)
+        # The kernel now releases the reader: the daemon closes its backing file, which
+        # waits on the stalled store. Requests that need no backing I/O answer at once.
+        time.sleep(0.2)
+        start = time.monotonic()
+        assert not os.access(path + "x", os.F_OK)
+        assert os.getxattr(outer.path, "user.kvfs.pid")
+        assert os.stat(path).st_size == CHUNK
+        assert time.monotonic() - start < 0.5
+        # And one that does fails within the deadline, never later.
+        start = time.monotonic()
+        with pytest.raises(OSError) as err:
+            vllm_io.load(path, CHUNK)
+        assert err.value.errno == errno.EIO
+        assert time.monotonic() - start < TIMEOUT + 1.0
+    finally:
+        wake.cancel()
+        os.kill(inner.pid, signal.SIGCONT)

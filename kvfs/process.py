@@ -1,0 +1,45 @@
+"""What the daemon can learn of a client process from /proc (Linux).
+
+A file is published when its writer closes it; but the kernel also closes every file of a
+process that is killed, and a FUSE daemon sees both as the same FLUSH. The difference is in
+/proc: a process being torn down by a signal has PF_EXITING set and its exit code holds that
+signal, from before it closes its files until its parent reaps it. So a writer killed mid-file
+can be told from one that closed (or exited normally) and its partial file is never published.
+"""
+
+from __future__ import annotations
+
+PF_EXITING = 0x4  # include/linux/sched.h
+
+
+def thread_group(tid: int) -> int:
+    """The process (thread group leader) of a thread; the FUSE request names the thread."""
+    try:
+        with open(f"/proc/{tid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return tid
+
+
+def killed_by_signal(pid: int) -> bool:
+    """Whether process ``pid`` is exiting, or has exited, because a signal killed it.
+
+    False when it is alive and well, exited normally, is gone, or /proc does not tell (the
+    exit code is only shown to a reader allowed to ptrace the process, such as root).
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # Fields after the command name, which is in parentheses and may hold anything.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        state, flags, exit_code = fields[0], int(fields[6]), int(fields[49])
+    except (IndexError, ValueError):
+        return False
+    exiting = bool(flags & PF_EXITING) or state in (b"Z", b"X")
+    return exiting and exit_code & 0x7F != 0

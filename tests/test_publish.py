@@ -1,0 +1,137 @@
+"""A name shows whole, current, verified bytes or nothing: publish once, at the last release,
+of what a writer closed; a name that went is gone for every later lookup."""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import Mount
+from tests.test_integrity import backing_of, flip_byte
+from tools import vllm_io
+
+CHUNK = 256 << 10
+
+
+def publishes(mount: Mount) -> int:
+    usage = json.loads((mount.path / ".kvfs" / "usage.json").read_bytes())
+    return int(usage["counters"].get("publishes", 0))
+
+
+def test_closing_a_dup_publishes_nothing_until_the_last_close(fresh_mount: Mount) -> None:
+    path = fresh_mount.path / "f"
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, b"a" * 4096)
+    os.close(os.dup(fd))  # a FLUSH, but the file is still open
+    assert not (fresh_mount.backing / "f").exists()
+    assert publishes(fresh_mount) == 0
+    os.write(fd, b"b" * 4096)
+    os.close(fd)
+    fresh_mount.settle()
+    assert (fresh_mount.backing / "f").read_bytes() == b"a" * 4096 + b"b" * 4096
+    assert publishes(fresh_mount) == 1
+
+
+WRITER = textwrap.dedent(
+    """
+    import os, sys
+    fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    os.write(fd, b"p" * (1 << 20))  # a quarter of the chunk, then killed with it open
+    os.kill(os.getpid(), 9)
+    """
+)
+
+
+def test_a_writer_killed_mid_file_leaves_no_partial_file_under_its_name(
+    fresh_mount: Mount,
+) -> None:
+    path = fresh_mount.path / "chunk.bin"
+    vllm_io.store(str(path), vllm_io.chunk_bytes(1, 4 << 20))  # an older, whole version
+    fresh = fresh_mount.path / "fresh.bin"
+    for target in (path, fresh):
+        done = subprocess.run([sys.executable, "-c", WRITER, str(target)], check=False)
+        assert done.returncode == -signal.SIGKILL
+    fresh_mount.settle()
+    assert vllm_io.load(str(path), 4 << 20) == vllm_io.chunk_bytes(1, 4 << 20)
+    assert (fresh_mount.backing / "chunk.bin").read_bytes() == vllm_io.chunk_bytes(1, 4 << 20)
+    assert not fresh.exists() and not (fresh_mount.backing / "fresh.bin").exists()
+    fresh_mount.restart()  # and nothing partial waits in the backing store either
+    assert sorted(os.listdir(fresh_mount.path)) == ["chunk.bin"]
+
+
+def test_a_quarantined_chunk_is_gone_for_every_later_lookup_and_never_read_short(
+    fresh_mount: Mount,
+) -> None:
+    for key in range(12):  # the kernel drops names asynchronously unless told to wait
+        path = vllm_io.chunk_path(str(fresh_mount.path), key)
+        vllm_io.store(path, vllm_io.chunk_bytes(key, CHUNK))
+        resolved = os.open(path, os.O_PATH)  # a name the kernel resolved before the damage
+        try:
+            fresh_mount.settle()
+            flip_byte(backing_of(fresh_mount, path))
+            with pytest.raises(OSError) as err:
+                vllm_io.load(path, CHUNK, o_direct=key % 2 == 0)
+            assert err.value.errno == errno.EIO
+            assert not os.access(path, os.F_OK)
+            # Never zero bytes while stat says CHUNK.
+            with pytest.raises(OSError) as err, open(f"/proc/self/fd/{resolved}", "rb") as stale:
+                stale.read()
+            assert err.value.errno in (errno.ENOENT, errno.ESTALE, errno.EIO)
+        finally:
+            os.close(resolved)
+    assert os.getxattr(fresh_mount.path, "user.kvfs.checksum_failures") == b"12"
+
+
+def rewrite_in_place(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY)  # no O_TRUNC, no temp name: the same inode
+    try:
+        os.pwrite(fd, data, 0)
+    finally:
+        os.close(fd)
+
+
+def test_a_reader_of_the_old_version_is_not_checked_against_the_new_one(
+    fresh_mount: Mount,
+) -> None:
+    path = str(fresh_mount.path / "f")
+    old, new = vllm_io.chunk_bytes(1, CHUNK), vllm_io.chunk_bytes(2, CHUNK)
+    vllm_io.store(path, old)
+    with open(path, "rb") as reader:  # opened: its version is fixed, not yet read
+        rewrite_in_place(path, new)
+        fresh_mount.settle()
+        assert reader.read() == old
+    assert vllm_io.load(path, CHUNK) == new
+    assert os.getxattr(fresh_mount.path, "user.kvfs.checksum_failures") == b"0"
+    assert not os.listdir(fresh_mount.backing / ".kvfs" / "quarantine")
+
+
+def test_after_an_in_place_rewrite_a_fresh_read_gets_the_new_bytes(fresh_mount: Mount) -> None:
+    """Even when a reader of the old version fills the page cache after the rewrite."""
+    path = str(fresh_mount.path / "f")
+    size = 4 << 20
+    versions = [vllm_io.chunk_bytes(k, size) for k in range(3)]
+    vllm_io.store(path, versions[0])
+    for previous, current in itertools.pairwise(versions):
+        with open(path, "rb", buffering=0) as old_reader:
+            assert old_reader.read(4096) == previous[:4096]
+            fd = os.open(path, os.O_WRONLY | os.O_DIRECT)  # no O_TRUNC, no temp name
+            try:
+                aligned = mmap.mmap(-1, size)
+                aligned.write(current)
+                os.pwrite(fd, aligned, 0)
+            finally:
+                os.close(fd)
+            fresh_mount.settle()
+            assert old_reader.read() == previous[4096:]  # its version, through the page cache
+        with open(path, "rb") as f:
+            assert f.read() == current
+        assert vllm_io.load(path, size, o_direct=True) == current
