@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfs.config import ConfigError, parse_size
+from kvfs.config import LOOPBACK, ConfigError, check_bind_address, parse_size
 from kvfs.host_cache import HOST_POLICIES
 
 _TIER_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
@@ -47,8 +47,10 @@ class ConnectorConfig:
     max_pending_stores: int = 1024
     # Publish KV events on this ZMQ address (None: keep them for take_events only).
     kv_events: str | None = None
-    # Serve Prometheus /metrics on this port (None: the registry is only read in process).
+    # Serve Prometheus /metrics on this port (None: the registry is only read in process), on
+    # this address: loopback unless configured, as /metrics names models and tiers.
     metrics_port: int | None = None
+    metrics_address: str = LOOPBACK
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -62,6 +64,7 @@ class ConnectorConfig:
             "max_pending_stores",
             "kv_events",
             "metrics_port",
+            "metrics_address",
         }
         unknown = sorted(set(extra) - accepted - _IGNORED)
         if unknown:
@@ -99,6 +102,9 @@ class ConnectorConfig:
             max_pending_stores=_positive_int(extra, "max_pending_stores", 1024),
             kv_events=events,
             metrics_port=port,
+            metrics_address=check_bind_address(
+                extra.get("metrics_address", LOOPBACK), "metrics_address"
+            ),
             extra=dict(extra),
         )
 

@@ -97,7 +97,11 @@ class TieringManager:
                 self.tiers.append(create_tier(cls, tier.options, host_view, context, tier.where))
             self._publisher = EventPublisher(config.kv_events) if config.kv_events else None
             self._http = (
-                start_http_server(config.metrics_port, registry=self.metrics.registry)[0]
+                start_http_server(
+                    config.metrics_port,
+                    addr=config.metrics_address,
+                    registry=self.metrics.registry,
+                )[0]
                 if config.metrics_port is not None
                 else None
             )

@@ -11,11 +11,25 @@ from pathlib import Path
 from typing import Any
 
 from kvfs import __version__, inspect, mountctl, verify
-from kvfs.config import ConfigError, MountConfig, default_backing_dir, parse_size
+from kvfs.config import (
+    FUSE_OPTIONS,
+    ConfigError,
+    MountConfig,
+    check_bind_address,
+    default_backing_dir,
+    parse_fuse_options,
+    parse_size,
+    parse_umask,
+)
 from kvfs.eviction import POLICIES
 
 
 def _cmd_mount(args: argparse.Namespace) -> int:
+    if args.supervise and args.foreground:
+        raise ConfigError(
+            "--supervise and --foreground: a foreground daemon is supervised by what runs it "
+            "(systemd's Restart=)"
+        )
     backing = args.backing or default_backing_dir(args.mountpoint)
     cfg = MountConfig(  # validated here, so a bad option fails before anything starts
         mountpoint=args.mountpoint,
@@ -25,20 +39,36 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         capacity=args.capacity,
         eviction=args.eviction,
         metrics_port=args.metrics_port,
+        metrics_address=check_bind_address(args.metrics_address, "--metrics-address"),
         events=args.events,
+        fuse_options=parse_fuse_options(args.option),
+        file_umask=parse_umask(args.umask),
     )
-    options = [
+    started = mountctl.mount(
+        args.mountpoint, backing, daemon_options(cfg, args), args.foreground, args.supervise
+    )
+    supervised = f", supervisor pid {started.supervisor}" if started.supervisor else ""
+    print(
+        f"kvfs: mounted {args.mountpoint.absolute()} "
+        f"(backing {backing.absolute()}, pid {started.pid}{supervised})"
+    )
+    return 0
+
+
+def daemon_options(cfg: MountConfig, args: argparse.Namespace) -> list[str]:
+    """The daemon's arguments for a validated config, each one token (``--key=value``)."""
+    return [
         f"--write-buffer={cfg.write_buffer_bytes}",
         f"--io-timeout={args.io_timeout}",
         f"--capacity={cfg.capacity}",
         f"--eviction={cfg.eviction}",
         *([f"--metrics-port={cfg.metrics_port}"] if cfg.metrics_port else []),
+        f"--metrics-address={cfg.metrics_address}",
         *([f"--events={cfg.events}"] if cfg.events else []),
+        *(f"--fuse-option={option}" for option in cfg.fuse_options),
+        f"--umask={cfg.file_umask:03o}",
         *(["--debug"] if args.debug else []),
     ]
-    pid = mountctl.mount(args.mountpoint, backing, options, args.foreground)
-    print(f"kvfs: mounted {args.mountpoint.absolute()} (backing {backing.absolute()}, pid {pid})")
-    return 0
 
 
 def _cmd_umount(args: argparse.Namespace) -> int:
@@ -154,9 +184,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mount.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     mount.add_argument(
+        "--metrics-address",
+        default=MountConfig.metrics_address,
+        help="address /metrics listens on (default %(default)s, this machine only; "
+        "0.0.0.0 for every interface)",
+    )
+    mount.add_argument(
         "--events",
         metavar="ADDRESS",
-        help="publish KV events (vLLM's format) on this ZMQ address, e.g. tcp://127.0.0.1:5557",
+        help="publish KV events (vLLM's format) on this ZMQ address, e.g. tcp://127.0.0.1:5557 "
+        "(a routable address exposes which prompts are cached to whoever can connect)",
+    )
+    mount.add_argument(
+        "-o",
+        dest="option",
+        metavar="OPTION[,OPTION]",
+        action="append",
+        default=[],
+        help=f"FUSE mount option, repeatable: {', '.join(FUSE_OPTIONS)}. allow_other lets "
+        "other users' processes (an engine running as another user) reach the mount",
+    )
+    mount.add_argument(
+        "--umask",
+        default=f"{MountConfig.file_umask:03o}",
+        help="octal permission bits removed from files and directories created on the mount, "
+        "whatever mode the writer asks (default %(default)s)",
+    )
+    mount.add_argument(
+        "--supervise",
+        action="store_true",
+        help="also start a supervisor that restarts the daemon in place if it dies "
+        "(kill -9, crash), with a bounded backoff; kvfs umount stops it",
     )
     mount.add_argument("--debug", action="store_true", help="log every request")
     mount.set_defaults(run=_cmd_mount)
@@ -164,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     umount = commands.add_parser(
         "umount",
         help="unmount a kvfs tier",
-        description="Unmount MOUNTPOINT and wait for its daemon to exit.",
+        description="Unmount MOUNTPOINT and wait for its daemon to exit; also stops its "
+        "supervisor and removes its read-only guard. A dead mount is unmounted lazily.",
     )
     umount.add_argument("mountpoint", type=Path)
     umount.set_defaults(run=_cmd_umount)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,56 @@ def parse_capacity(text: str, filesystem_bytes: int) -> int:
     return parse_size(text, "--capacity")
 
 
+_UMASK = re.compile(r"^(?:0o)?([0-7]{1,4})$", re.IGNORECASE)
+_HOSTNAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
+
+# FUSE mount options an operator may add with ``-o``. Every other one is refused: kvfs sets
+# fsname, subtype and noatime itself, and auto_unmount would turn a dead daemon into a bare
+# directory on the root disk that engines then fill (docs/guide.md, "When the daemon dies").
+FUSE_OPTIONS = ("allow_other", "allow_root", "default_permissions", "nodev", "noexec", "nosuid")
+
+LOOPBACK = "127.0.0.1"
+
+
+def parse_umask(text: str, key: str = "--umask") -> int:
+    """``027``, ``0027`` or ``0o027`` into the umask kvfs applies to files created on a mount."""
+    match = _UMASK.match(text.strip())
+    value = int(match[1], 8) if match else -1
+    if not 0 <= value <= 0o777:
+        raise ConfigError(f"{key}: {text!r} is not an octal umask (e.g. 027)")
+    return value
+
+
+def parse_fuse_options(values: list[str]) -> tuple[str, ...]:
+    """The ``-o`` options, each ``-o`` a comma-separated list as mount(8) takes them."""
+    options: list[str] = []
+    accepted = ", ".join(FUSE_OPTIONS)
+    for value in values:
+        for option in value.split(","):
+            if option not in FUSE_OPTIONS:
+                raise ConfigError(
+                    f"-o {option or repr(option)}: not accepted (accepted: {accepted})"
+                )
+            if option not in options:
+                options.append(option)
+    return tuple(options)
+
+
+def check_bind_address(value: object, key: str) -> str:
+    """An address to listen on: an IP address or a host name (default: loopback only).
+
+    Listening beyond loopback is a choice the operator makes explicitly: /metrics names every
+    model namespace and KV events reveal which prompts are cached.
+    """
+    if isinstance(value, str):
+        try:
+            return str(ipaddress.ip_address(value))
+        except ValueError:
+            if _HOSTNAME.match(value):
+                return value
+    raise ConfigError(f"{key}: {value!r} is not a metrics address (an IP address or host name)")
+
+
 def _mount_name(mountpoint: Path) -> str:
     return str(mountpoint.absolute()).strip("/").replace("/", "_") or "root"
 
@@ -67,9 +118,16 @@ class MountConfig:
     # Bytes the tier may hold: a size, or a percentage of the backing filesystem.
     capacity: str = "90%"
     eviction: str = "lru"
-    # Prometheus /metrics on this port (None: off); KV events on this ZMQ address (None: off).
+    # Prometheus /metrics on this port (None: off), listening on this address (loopback unless
+    # the operator says otherwise); KV events on this ZMQ address (None: off).
     metrics_port: int | None = None
+    metrics_address: str = LOOPBACK
     events: str | None = None
+    # FUSE options added on request (-o), from FUSE_OPTIONS: allow_other is never implied.
+    fuse_options: tuple[str, ...] = ()
+    # Permission bits removed from every file and directory created on the mount, whatever
+    # mode the writer asks (vLLM asks 0644): chunks are model state, not for every user.
+    file_umask: int = 0o027
     # How long the kernel may cache names, misses and attributes. Safe to make long: every
     # change goes through the daemon, which invalidates what it changes behind the kernel.
     cache_timeout: float = 3600.0
@@ -87,6 +145,10 @@ class MountConfig:
         parse_capacity(self.capacity, 1 << 40)  # the syntax; the daemon resolves percentages
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise ConfigError("metrics_port: must be a TCP port (1-65535)")
+        check_bind_address(self.metrics_address, "metrics_address")
+        parse_fuse_options(list(self.fuse_options))
+        if not 0 <= self.file_umask <= 0o777:
+            raise ConfigError(f"file_umask: {self.file_umask:#o} is not a umask (0 to 0o777)")
         if self.events is not None and "://" not in self.events:
             raise ConfigError(f"events: {self.events!r} is not a ZMQ address (tcp://HOST:PORT)")
         if self.eviction not in POLICIES:

@@ -9,16 +9,25 @@ Every process that maps the region holds a shared flock on it. Whoever closes it
 exclusive lock is then free) removes the file; a worker that crashes drops its lock with its
 process, so the others clean up as usual. If every process dies, the next ``create`` in the same
 directory finds the file with no lock held and removes it (``sweep_orphans``).
+
+/dev/shm is world-writable and the region's name is predictable, so another user may plant a
+symlink, a hard link, a FIFO or a file of their own there before we come. Nothing here follows a
+symlink or truncates a file it did not create: a region is built in an unnamed O_TMPFILE and
+linked into place (which fails if anything holds the name), every open uses O_NOFOLLOW, and a
+file is used only once fstat shows a regular file of ours, private (no group or other bits),
+with one link and the size its header promises. Anything else is refused with a RegionError.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import logging
 import mmap
 import os
+import stat
 import struct
 import time
 from pathlib import Path
@@ -43,27 +52,128 @@ def region_path(name: str, directory: Path = SHM_DIR) -> Path:
     return directory / f"{PREFIX}{name}{SUFFIX}"
 
 
+# Never follow a symlink, never block on a FIFO, never leak the fd into a child process.
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _open_existing(path: Path) -> int:
+    """Open a region someone else may have planted: never through a symlink, never a FIFO."""
+    try:
+        return os.open(path, _OPEN_FLAGS)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise RegionError(f"{path} is a symbolic link: refusing to use it") from None
+        raise
+
+
+def _unsafe(st: os.stat_result) -> str | None:
+    """Why a file at a region's name is not one of our regions, or None if it may be.
+
+    A hard link means someone else holds a name for the same bytes (the planted-link attack);
+    group or other bits mean someone else may have written into it.
+    """
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_nlink > 1:
+        return f"has {st.st_nlink} hard links"
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}, open to other users"
+    return None
+
+
+def _why_not_ours(path: Path) -> str | None:
+    """What is wrong with whatever holds a region's name, judged without opening it."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return "is a symbolic link" if stat.S_ISLNK(st.st_mode) else _unsafe(st)
+
+
+def _check(fd: int, path: Path) -> None:
+    reason = _unsafe(os.fstat(fd))
+    if reason is not None:
+        raise RegionError(f"{path} {reason}: refusing to use it")
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (not removed or replaced since)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
 def sweep_orphans(directory: Path = SHM_DIR) -> list[Path]:
-    """Remove regions that no live process maps (all of their processes died)."""
+    """Remove regions that no live process maps (all of their processes died).
+
+    Only files that are our regions are touched: a planted symlink, FIFO or someone else's
+    file is left where it is (creating under that name will say why it cannot).
+    """
     removed = []
     for path in directory.glob(f"{PREFIX}*{SUFFIX}"):
         try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError:
+            fd = _open_existing(path)
+        except (OSError, RegionError):
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)  # someone maps it
-            continue
-        with contextlib.suppress(OSError):
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                os.unlink(path)
-                removed.append(path)
-        os.close(fd)
+            if _unsafe(os.fstat(fd)) is not None:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # someone maps it
+            with contextlib.suppress(OSError):
+                if _same_file(path, fd):
+                    os.unlink(path)
+                    removed.append(path)
+        finally:
+            os.close(fd)
     if removed:
         log.info("removed %d orphan host regions: %s", len(removed), removed)
     return removed
+
+
+def _create_unnamed(directory: Path) -> int:
+    """A new, empty, private file in ``directory`` that has no name yet (O_TMPFILE).
+
+    No name means nothing to plant in advance: no symlink to follow, no file to truncate, and
+    the sweep never sees a region half made. tmpfs (/dev/shm) supports it.
+    """
+    try:
+        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        raise RegionError(
+            f"cannot create a host region in {directory}: {err.strerror} "
+            "(it needs a filesystem with O_TMPFILE, such as tmpfs)"
+        ) from None
+    os.fchmod(fd, 0o600)  # whatever the umask
+    return fd
+
+
+def _link_into_place(fd: int, path: Path, name: str) -> None:
+    """Give the unnamed file its region name; never replaces anything already there.
+
+    linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N is how an O_TMPFILE gets a name without
+    CAP_DAC_READ_SEARCH. The descriptor of /proc/self/fd makes os.link call linkat: given two
+    plain paths it calls link(2), which links the /proc symlink itself (EXDEV).
+    """
+    proc_fds = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(str(fd), path, src_dir_fd=proc_fds, follow_symlinks=True)
+    except FileExistsError:
+        reason = _why_not_ours(path)
+        if reason is not None:
+            raise RegionError(f"{path} {reason}: refusing to use it") from None
+        raise RegionError(f"{path} exists: another instance uses the name {name!r}") from None
+    except OSError as err:
+        raise RegionError(f"cannot create {path}: {err.strerror}") from None
+    finally:
+        os.close(proc_fds)
 
 
 class HostRegion:
@@ -102,28 +212,22 @@ class HostRegion:
                 f"{directory} has {stats.f_bavail * stats.f_frsize} bytes free; "
                 f"the region needs {total} (lower cpu_bytes_to_use)"
             )
-        # Built under a private name and linked into place whole: no one ever attaches to a
-        # region without its header, and the sweep never sees one half made.
-        building = directory / f".{path.name}.{os.getpid()}"
-        fd = os.open(building, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = _create_unnamed(directory)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             os.posix_fallocate(fd, 0, total)
             header = _HEADER.pack(_MAGIC, slot_bytes, num_slots, fingerprint.encode("ascii"))
             os.pwrite(fd, header, 0)
-            os.link(building, path)
-        except FileExistsError:
+            _link_into_place(fd, path, name)
+        except BaseException:
             os.close(fd)
-            raise RegionError(f"{path} exists: another instance uses the name {name!r}") from None
-        except OSError as err:
-            os.close(fd)
-            raise RegionError(f"cannot create {path}: {err.strerror}") from err
-        finally:
-            os.unlink(building)
+            raise
         try:
             return cls(path, fd, slot_bytes, num_slots)
         except BaseException:  # could not map it: leave no name and no lock behind
-            os.unlink(path)
+            with contextlib.suppress(OSError):
+                if _same_file(path, fd):
+                    os.unlink(path)
             os.close(fd)
             raise
 
@@ -136,19 +240,21 @@ class HostRegion:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                fd = os.open(path, os.O_RDWR)
+                fd = _open_existing(path)
             except FileNotFoundError:
                 if time.monotonic() > deadline:
                     raise RegionError(f"no host region {path} after {timeout}s") from None
                 time.sleep(0.01)
                 continue
+            except OSError as err:
+                raise RegionError(f"cannot open {path}: {err.strerror}") from None
             try:
-                fcntl.flock(fd, fcntl.LOCK_SH)
-                slot_bytes, num_slots = cls._read_header(fd, path, fingerprint)
-                if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                    return cls(path, fd, slot_bytes, num_slots)
-            except FileNotFoundError:
-                pass  # its last user removed it as we opened it: wait for a new one
+                if os.fstat(fd).st_nlink > 0:  # 0: its last user removed it as we opened it
+                    _check(fd, path)
+                    fcntl.flock(fd, fcntl.LOCK_SH)
+                    slot_bytes, num_slots = cls._read_header(fd, path, fingerprint)
+                    if _same_file(path, fd):
+                        return cls(path, fd, slot_bytes, num_slots)
             except BaseException:
                 os.close(fd)
                 raise
@@ -156,9 +262,15 @@ class HostRegion:
 
     @staticmethod
     def _read_header(fd: int, path: Path, fingerprint: str) -> tuple[int, int]:
-        magic, slot_bytes, num_slots, stored = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
+        raw = os.pread(fd, _HEADER.size, 0)
+        if len(raw) < _HEADER.size:
+            raise RegionError(f"{path} is not a kvfs host region")
+        magic, slot_bytes, num_slots, stored = _HEADER.unpack(raw)
         if magic != _MAGIC:
             raise RegionError(f"{path} is not a kvfs host region")
+        if os.fstat(fd).st_size < HEADER_BYTES + slot_bytes * num_slots:
+            # mapping past the end would turn the first touch of a missing page into SIGBUS
+            raise RegionError(f"{path} is shorter than its header says: refusing to map it")
         theirs = stored.rstrip(b"\0").decode("ascii", "replace")
         if theirs != fingerprint:
             raise RegionError(
@@ -190,7 +302,7 @@ class HostRegion:
             fcntl.flock(fd, fcntl.LOCK_UN)
         else:
             with contextlib.suppress(OSError):
-                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                if _same_file(self.path, fd):
                     os.unlink(self.path)
         os.close(fd)
 

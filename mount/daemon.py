@@ -12,7 +12,8 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from kvfs.config import ConfigError, MountConfig, parse_capacity
+from kvfs import mountctl
+from kvfs.config import ConfigError, MountConfig, parse_capacity, parse_fuse_options, parse_umask
 from kvfs.eviction import make_policy
 from kvfs.index import Index
 from kvfs.mount.operations import KvfsOperations
@@ -60,8 +61,21 @@ def _keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
+def fuse_options(cfg: MountConfig) -> set[str]:
+    """The FUSE mount options: kvfs's own, and only the ones the operator asked for (-o).
+
+    No ``auto_unmount``: when the daemon dies the mount must stay, answering ENOTCONN, rather
+    than vanish and leave the bare directory on the root disk for engines to fill. No
+    ``allow_other`` unless asked: other users' processes cannot reach the chunks by default.
+    """
+    own = {"fsname=kvfs", "subtype=kvfs", "noatime"}
+    return set(pyfuse3.default_options) | own | set(cfg.fuse_options)
+
+
 def serve(cfg: MountConfig, ready_fd: int | None) -> int:
     def tell(message: str) -> None:
+        if message != READY:
+            log.error("%s", message.removeprefix("error: "))
         if ready_fd is not None:
             os.write(ready_fd, message.encode() + b"\n")
 
@@ -89,18 +103,20 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
         tell(f"error: {err}")
         return 1
     ops = KvfsOperations(cfg, store, index, capacity)
-    options = set(pyfuse3.default_options) | {
-        "fsname=kvfs",
-        "subtype=kvfs",
-        "noatime",
-        "auto_unmount",
-        "allow_other",
-    }
+    ops.metrics.address = cfg.metrics_address
     mountpoint = str(cfg.mountpoint)
     try:
-        pyfuse3.init(ops, mountpoint, options)
+        guarded = mountctl.prepare_mountpoint(mountpoint)
+    except (mountctl.MountError, OSError) as err:
+        tell(f"error: {err}")
+        ops.close()
+        return 1
+    try:
+        pyfuse3.init(ops, mountpoint, fuse_options(cfg))
     except RuntimeError as err:
         tell(f"error: cannot mount {mountpoint}: {err}")
+        if guarded:
+            mountctl.remove_guard(mountpoint)
         ops.close()
         return 1
     _raise_read_ahead(mountpoint)
@@ -126,7 +142,7 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m kvfs.mount", description="kvfs FUSE daemon (started by `kvfs mount`)"
     )
@@ -139,25 +155,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity", default=MountConfig.capacity)
     parser.add_argument("--eviction", default=MountConfig.eviction)
     parser.add_argument("--metrics-port", type=int)
+    parser.add_argument("--metrics-address", default=MountConfig.metrics_address)
     parser.add_argument("--events")
+    parser.add_argument("--fuse-option", action="append", default=[])
+    parser.add_argument("--umask", default=f"{MountConfig.file_umask:03o}")
     parser.add_argument("--debug", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def config_from(args: argparse.Namespace) -> MountConfig:
+    """The daemon's MountConfig from its arguments; raises ConfigError."""
+    return MountConfig(
+        mountpoint=args.mountpoint.resolve(),
+        backing=args.backing.resolve(),
+        write_buffer_bytes=args.write_buffer,
+        io_timeout=args.io_timeout or None,
+        cache_timeout=args.cache_timeout,
+        capacity=args.capacity,
+        eviction=args.eviction,
+        metrics_port=args.metrics_port,
+        metrics_address=args.metrics_address,
+        events=args.events,
+        fuse_options=parse_fuse_options(args.fuse_option),
+        file_umask=parse_umask(args.umask),
+    )
+
+
+def parse_config(argv: list[str]) -> MountConfig:
+    return config_from(build_parser().parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     try:
-        cfg = MountConfig(
-            mountpoint=args.mountpoint.resolve(),
-            backing=args.backing.resolve(),
-            write_buffer_bytes=args.write_buffer,
-            io_timeout=args.io_timeout or None,
-            cache_timeout=args.cache_timeout,
-            capacity=args.capacity,
-            eviction=args.eviction,
-            metrics_port=args.metrics_port,
-            events=args.events,
-        )
+        cfg = config_from(args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -69,8 +69,12 @@ class Metrics:
         )
         self.registry.register(_SnapshotCollector(self))
 
-    def serve(self, port: int, address: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=address, registry=self.registry)
+    # Where serve() listens unless told: loopback, since /metrics names every model namespace on
+    # the mount. The daemon sets the mount's --metrics-address here.
+    address = "127.0.0.1"
+
+    def serve(self, port: int, address: str | None = None) -> None:
+        start_http_server(port, addr=address or self.address, registry=self.registry)
 
     def timed(self, name: str, handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         observe = self.latency.labels(name).observe

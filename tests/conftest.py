@@ -40,26 +40,44 @@ class Mount:
         return self
 
     def stop(self) -> None:
-        """Unmount, however the daemon is doing; never leaves a mount behind."""
-        mounted = str(self.path) in mountctl.kvfs_mounts()
-        if mounted and kvfs("umount", str(self.path), check=False).returncode != 0:
-            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False)
+        """Unmount, however the daemon is doing (alive, dead, supervised); never leaves a mount
+        behind, the read-only guard included."""
+        path = str(self.path)
+        busy = mountctl.mount_stack(path) or mountctl.supervisors(path)
+        if busy and kvfs("umount", path, check=False).returncode != 0:
+            force_unmount(self.path)
         if self.pid:
             wait_gone(self.pid)
+
+    def settle(self, timeout: float = 10) -> None:
+        """Wait until every file written through the mount is published (each is, at its
+        last release, which the kernel sends after close() has returned)."""
+        deadline = time.monotonic() + timeout
+        while os.getxattr(self.path, "user.kvfs.unpublished") != b"0":
+            assert time.monotonic() < deadline, "files still unpublished"
+            time.sleep(0.005)
 
     def restart(self) -> None:
         self.stop()
         self.start()
 
     def kill(self) -> None:
-        """kill -9 the daemon and wait until the kernel has dropped the mount."""
+        """kill -9 the daemon, then clear what it leaves: a dead mount (ENOTCONN, no longer
+        dropped by the kernel) and the guard under it."""
         os.kill(self.pid, 9)
         wait_gone(self.pid)
-        deadline = time.monotonic() + 10
-        while str(self.path) in mountctl.kvfs_mounts() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if str(self.path) in mountctl.kvfs_mounts():  # auto_unmount should have done it
-            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False)
+        if kvfs("umount", str(self.path), check=False).returncode != 0:
+            force_unmount(self.path)
+        assert not mountctl.mount_stack(str(self.path)), "kill left a mount behind"
+
+
+def force_unmount(path: Path) -> None:
+    """The last resort: stop supervisors, detach every mount on ``path``, top first."""
+    for pid in mountctl.supervisors(str(path)):
+        os.kill(pid, 9)
+        wait_gone(pid)
+    for _ in mountctl.mount_stack(str(path)):
+        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
 
 
 def free_port() -> int:

@@ -66,7 +66,10 @@ def main() -> int:
         page(
             "mount",
             "Mount a kvfs tier; returns once the mount answers.",
-            [ex("mount", str(mnt), "--backing", str(backing), "--capacity", "64M")],
+            [
+                ex("mount", str(mnt), "-o", "auto_unmount"),  # refused: nothing is mounted
+                ex("mount", str(mnt), "--backing", str(backing), "--capacity", "64M"),
+            ],
         )
         ns = "demo-llama_5f1d2c3b4a69"
         (mnt / ns).mkdir()

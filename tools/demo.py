@@ -30,8 +30,10 @@ def main() -> int:
     args = parser.parse_args()
     mnt = args.mountpoint.absolute()
     kvfs = [sys.executable, "-m", "kvfs.cli"]
-    if str(mnt) not in mountctl.kvfs_mounts():
-        mnt.mkdir(parents=True, exist_ok=True)
+    mounted = str(mnt) in mountctl.kvfs_mounts()
+    if not mounted or mountctl.is_dead(str(mnt)):  # a dead mount is replaced in place
+        if not mounted:
+            mnt.mkdir(parents=True, exist_ok=True)
         if subprocess.run([*kvfs, "mount", str(mnt)]).returncode != 0:
             return 1
     else:
@@ -77,6 +79,10 @@ kvfs is mounted at {mnt}. Point vLLM at it:
   --kv-transfer-config '{{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
     "kv_connector_extra_config": {{"spec_name": "TieringOffloadingSpec",
     "cpu_bytes_to_use": 10737418240, "secondary_tiers": [{{"type": "fs", "root_dir": "{mnt}"}}]}}}}'
+Only the user who mounted it can use it: for vLLM running as another user, mount with
+-o allow_other.
+If the daemon dies, the mount answers ENOTCONN (never the disk under it): run the same
+kvfs mount again, or mount with --supervise to have it restarted by itself.
 Unmount with: .venv/bin/kvfs umount {mnt}""")
     return 0
 
