@@ -35,7 +35,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         mountpoint=args.mountpoint,
         backing=backing,
         write_buffer_bytes=parse_size(args.write_buffer, "--write-buffer"),
-        io_timeout=args.io_timeout or None,
+        io_timeout=args.io_timeout,
         capacity=args.capacity,
         eviction=args.eviction,
         metrics_port=args.metrics_port,
@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--io-timeout",
         type=float,
         default=MountConfig.io_timeout,
-        help="seconds a request may wait on the backing store before EIO "
-        "(default %(default)s; 0 waits forever)",
+        help="seconds a request may wait on the backing store before it fails with EIO "
+        "(default %(default)s; must be positive)",
     )
     mount.add_argument(
         "--capacity",

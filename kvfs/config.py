@@ -113,8 +113,9 @@ class MountConfig:
     write_buffer_bytes: int = 1 << 30
     read_threads: int = 8
     write_threads: int = 4
-    # No request waits longer than this on the backing store (None: wait forever).
-    io_timeout: float | None = 30.0
+    # No request waits longer than this on the backing store. There is no "forever": a wait
+    # with no end can leave clients unkillable in D state.
+    io_timeout: float = 30.0
     # Bytes the tier may hold: a size, or a percentage of the backing filesystem.
     capacity: str = "90%"
     eviction: str = "lru"
@@ -138,7 +139,7 @@ class MountConfig:
         for key in ("read_threads", "write_threads"):
             if not 1 <= getattr(self, key) <= 256:
                 raise ConfigError(f"{key}: must be between 1 and 256")
-        if self.io_timeout is not None and self.io_timeout <= 0:
+        if not 0 < self.io_timeout < 1e6:
             raise ConfigError("io_timeout: must be a positive number of seconds")
         if self.cache_timeout < 0:
             raise ConfigError("cache_timeout: must be zero or more seconds")

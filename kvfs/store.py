@@ -160,7 +160,9 @@ class BackingStore:
                     node = index.new_node(name, est.st_mode, est.st_uid, est.st_gid)
                     fill_times(node, est)
                     node.on_backing = True
-                    node.size, node.blocks, node.rdev = est.st_size, est.st_blocks, est.st_rdev
+                    if node.children is None:  # a directory's size is 0: du -b counts files
+                        node.size, node.blocks = est.st_size, est.st_blocks
+                    node.rdev = est.st_rdev
                     if stat.S_ISLNK(est.st_mode):
                         node.target = os.readlink(entry.path)
                     elif node.is_file:

@@ -103,7 +103,6 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
         tell(f"error: {err}")
         return 1
     ops = KvfsOperations(cfg, store, index, capacity)
-    ops.metrics.address = cfg.metrics_address
     mountpoint = str(cfg.mountpoint)
     try:
         guarded = mountctl.prepare_mountpoint(mountpoint)
@@ -169,7 +168,7 @@ def config_from(args: argparse.Namespace) -> MountConfig:
         mountpoint=args.mountpoint.resolve(),
         backing=args.backing.resolve(),
         write_buffer_bytes=args.write_buffer,
-        io_timeout=args.io_timeout or None,
+        io_timeout=args.io_timeout,
         cache_timeout=args.cache_timeout,
         capacity=args.capacity,
         eviction=args.eviction,

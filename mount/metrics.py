@@ -69,12 +69,10 @@ class Metrics:
         )
         self.registry.register(_SnapshotCollector(self))
 
-    # Where serve() listens unless told: loopback, since /metrics names every model namespace on
-    # the mount. The daemon sets the mount's --metrics-address here.
-    address = "127.0.0.1"
-
-    def serve(self, port: int, address: str | None = None) -> None:
-        start_http_server(port, addr=address or self.address, registry=self.registry)
+    def serve(self, port: int, address: str) -> None:
+        """Listen on ``address`` (--metrics-address: loopback unless the operator says
+        otherwise, since /metrics names every model namespace on the mount)."""
+        start_http_server(port, addr=address, registry=self.registry)
 
     def timed(self, name: str, handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         observe = self.latency.labels(name).observe

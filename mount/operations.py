@@ -153,6 +153,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.extents = ExtentPool(keep_bytes=cfg.write_buffer_bytes)
         self.invalidator = Invalidator()
         self._writes: dict[int, WriteState] = {}
+        self._releasing = 0  # last releases of written files under way (user.kvfs.unpublished)
         self._handles: dict[int, Handle] = {}
         self._dirs: dict[int, list[tuple[bytes, Node | int]]] = {}  # int: a control file
         self._control: dict[int, bytes] = {}  # open control files: their generated content
@@ -187,7 +188,7 @@ class KvfsOperations(pyfuse3.Operations):
                 nursery.start_soon(self.events.flush_forever)
             if self.cfg.metrics_port is not None:
                 self.metrics.snapshot = self.report(walk=False)
-                self.metrics.serve(self.cfg.metrics_port)
+                self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_address)
             await pyfuse3.main(min_tasks=4, max_tasks=128)
             nursery.cancel_scope.cancel()
 
@@ -640,7 +641,8 @@ class KvfsOperations(pyfuse3.Operations):
                 if node.is_file:  # mknod of a regular file: an empty one, published
                     node.checksum = ChunkBuffer(self.extents).checksum()
                 self.index.attach(parent, name, node)
-                self.index.set_published(node, st.st_size, st.st_blocks)
+                if not node.is_dir:  # a directory's size is 0 here: du -b counts files only
+                    self.index.set_published(node, st.st_size, st.st_blocks)
                 return node
 
         node = await self._bounded(op)
@@ -924,7 +926,9 @@ class KvfsOperations(pyfuse3.Operations):
             raise FUSEError(ws.failed)
         if process.killed_by_signal(handle.opener):
             ws.abandoned = True
-            log.warning("inode %d: its writer was killed with it open; not published", fh)
+            log.warning(
+                "inode %d: its writer was killed with it open: not published", handle.node.ino
+            )
             return
         if ws.dirty:
             await self._prepare_or_fail(handle.node, ws, durable=False)
@@ -959,10 +963,13 @@ class KvfsOperations(pyfuse3.Operations):
             await self._close_reader(handle)
         ws = self._writes.get(node.ino)
         if handle.writable and ws is not None:
+            self._releasing += 1
             try:
                 await self._bounded(partial(self._release_writer, node, ws))
             except FUSEError as err:
                 log.warning("publish of inode %d failed at release: %s", node.ino, err)
+            finally:
+                self._releasing -= 1
         self.index.release_if_unused(node)
 
     async def _close_reader(self, handle: Handle) -> None:
@@ -1007,12 +1014,15 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def _release_writer(self, node: Node, ws: WriteState) -> None:
         """One writer less; the last one publishes what its close left, or nothing."""
+        gone: Node | None = None
         async with ws.lock:  # after a prepare that outlived its deadline
             try:
                 if ws.writers == 1:
                     await self._publish(node, ws)
             finally:
-                self._drop_writer(node)
+                gone = self._drop_writer(node)
+        if gone is not None:  # unpublished, its name went: the kernel must know before we answer
+            await self.invalidator.entry_now(gone.ino, node.name, node.ino)
 
     async def _publish(self, node: Node, ws: WriteState) -> None:
         """Rename the prepared bytes into place if they are the file as its last close left
@@ -1134,28 +1144,32 @@ class KvfsOperations(pyfuse3.Operations):
             self.invalidator.entry(parent.ino, node.name, node.ino)
         return True
 
-    def _drop_writer(self, node: Node) -> None:
-        """One writer less; the last one takes the write state (and its memory) away."""
+    def _drop_writer(self, node: Node) -> Node | None:
+        """One writer less; the last one takes the write state (and its memory) away. Returns
+        the directory a never-published name left, if it did."""
         ws = self._writes.get(node.ino)
         if ws is not None:
             ws.writers -= 1
             if ws.writers == 0:
-                self._drop_write_state(node)
+                return self._drop_write_state(node)
+        return None
 
-    def _drop_write_state(self, node: Node) -> None:
+    def _drop_write_state(self, node: Node) -> Node | None:
         ws = self._writes.pop(node.ino)
         if ws.prepared is not None:
             self._discard(ws.prepared)
             ws.prepared = None
         self.budget.release(ws.buffer.capacity)
         ws.buffer.release()
-        if ws.dirty and not node.on_backing and node.attached:
-            # Never published: the name must not outlive the bytes it stood for.
-            parent = node.parent
-            assert parent is not None
-            self.index.detach(node)
-            self.invalidator.entry(parent.ino, node.name, node.ino)
         self.invalidator.attributes(node.ino)
+        if not (ws.dirty and not node.on_backing and node.attached):
+            return None
+        # Never published: the name must not outlive the bytes it stood for.
+        parent = node.parent
+        assert parent is not None
+        self.index.detach(node)
+        self.invalidator.entry(parent.ino, node.name, node.ino)
+        return parent
 
     # -- attributes -------------------------------------------------------------------------
 
@@ -1346,5 +1360,5 @@ class KvfsOperations(pyfuse3.Operations):
                 values[b"user.kvfs." + key.encode()] = b"%d" % report[key]
             values[b"user.kvfs.evictions"] = b"%d" % sum(report["evictions"].values())
             # Files open for writing or closed but not yet published (their last release).
-            values[b"user.kvfs.unpublished"] = b"%d" % len(self._writes)
+            values[b"user.kvfs.unpublished"] = b"%d" % (len(self._writes) + self._releasing)
         return values
