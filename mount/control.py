@@ -1,4 +1,4 @@
-"""The read-only `.kvfs/` directory at the root of the mount: reports from the running daemon.
+"""The control protocol: the read-only `.kvfs/` directory and the `user.kvfs.*` xattrs.
 
     .kvfs/usage.json       capacity, usage, counters and per-namespace totals (no walk: cheap)
     .kvfs/namespaces.json  the same plus reads, oldest and newest read per namespace (walks)
@@ -11,12 +11,20 @@ the backing directory's own `.kvfs/` is never shown, so this one is purely virtu
 from __future__ import annotations
 
 import json
+import os
 import stat
 import time
+from collections import Counter
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import pyfuse3
+
+from kvfs import namespaces
+from kvfs.index import ROOT_INO, Node
+from kvfs.io_queues import Queue
+from kvfs.mount.objects import Objects
 
 DIR_INO = 1 << 62  # far above any inode the index hands out
 FILES = {b"usage.json": DIR_INO + 1, b"namespaces.json": DIR_INO + 2}
@@ -43,3 +51,62 @@ def render(ino: int, report: Callable[[bool], dict[str, Any]]) -> bytes:
     """The content of a control file; ``report(walk)`` builds the daemon's report."""
     walk = ino == FILES[b"namespaces.json"]
     return json.dumps(report(walk), indent=2).encode() + b"\n"
+
+
+def report(objects: Objects, lookups: dict[int, Counter[str]], walk: bool) -> dict[str, Any]:
+    """The daemon's state for `kvfs ls`/`du`/`top` (``walk`` adds what needs every file)."""
+    index, evictor = objects.index, objects.evictor
+    return {
+        "time": time.time(),
+        "pid": os.getpid(),
+        "backing": os.fsdecode(objects.store.root),
+        "capacity": evictor.capacity,
+        "used": evictor.used,
+        "reserved": evictor.reserved,
+        "files": index.files,
+        "bytes": index.bytes,
+        "evictions": dict(evictor.evictions),
+        "counters": dict(objects.counters),
+        "lookups": {
+            "hit": sum(c["hit"] for c in lookups.values()),
+            "miss": sum(c["miss"] for c in lookups.values()),
+        },
+        "checksum_failures": objects.checksum_failures,
+        "deadline_expiries": objects.deadline_expiries,
+        "queues": {
+            q.value: {"waiting": objects.pool.depth(q), "running": objects.pool.busy[q]}
+            for q in Queue
+        },
+        "write_buffer": {"used": objects.budget.used, "capacity": objects.budget.capacity},
+        "namespaces": list(namespaces.namespaces(index, lookups, walk)),
+    }
+
+
+def xattrs(node: Node, objects: Objects, lookups: dict[int, Counter[str]]) -> dict[bytes, bytes]:
+    """A node's ``user.kvfs.*`` attributes, answered from memory (the kernel never caches
+    xattrs): its pin; a namespace's model and totals; a file's checksum and reads; the root's
+    daemon-wide figures."""
+    values = {b"user.kvfs.pinned": b"1" if node.pinned else b"0"}
+    if node.is_dir and node.parent is not None and node.parent.ino == ROOT_INO:
+        ns = namespaces.summary(objects.index, node)
+        values[b"user.kvfs.model"] = str(ns["model"] or ns["namespace"]).encode()
+        values[b"user.kvfs.chunks"] = b"%d" % ns["chunks"]
+        values[b"user.kvfs.bytes"] = b"%d" % ns["bytes"]
+        if ns["tokens"] is not None:
+            values[b"user.kvfs.tokens"] = b"%d" % ns["tokens"]
+    if node.is_file:
+        if node.checksum is not None:
+            values[b"user.kvfs.checksum"] = node.checksum.encode()
+        values[b"user.kvfs.hits"] = b"%d" % node.hits
+        if node.last_read_ns:
+            stamp = datetime.fromtimestamp(node.last_read_ns / 1e9, UTC)
+            values[b"user.kvfs.last_read"] = stamp.isoformat(timespec="milliseconds").encode()
+    if node.ino == ROOT_INO:
+        state = report(objects, lookups, walk=False)
+        values[b"user.kvfs.backing"] = objects.store.root
+        for key in ("pid", "capacity", "used", "checksum_failures", "deadline_expiries"):
+            values[b"user.kvfs." + key.encode()] = b"%d" % state[key]
+        values[b"user.kvfs.evictions"] = b"%d" % sum(state["evictions"].values())
+        # Files open for writing or closed but not yet published (their last release).
+        values[b"user.kvfs.unpublished"] = b"%d" % objects.unpublished
+    return values

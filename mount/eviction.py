@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import trio
-from pyfuse3 import FUSEError
 
 from kvfs.buffers import on_disk
 from kvfs.index import Index, Node
@@ -57,7 +57,7 @@ class Evictor:
         need = on_disk(size)
         while self.used + self.reserved + need > self.capacity:
             if not await self._evict_one("capacity"):
-                raise FUSEError(errno.ENOSPC)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self.reserved += need
         return need
 
@@ -85,7 +85,7 @@ class Evictor:
                     "watermark"
                 ):
                     count += 1
-            except (OSError, FUSEError) as err:  # the backing store failed one: try next time
+            except OSError as err:  # the backing store failed one: try next time
                 log.warning("eviction sweep stopped: %s", err)
             if count:
                 log.info(

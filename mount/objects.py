@@ -1,0 +1,896 @@
+"""The object layer: every file's whole life on the backing store, whatever FUSE session asks.
+
+A file is an object. Writing one: ``create`` or ``open_write``, then ``write``s into a memory
+buffer (bounded by ``write_buffer_bytes``, holes taking none; no file may be larger than it),
+``close_write`` at each FLUSH (the buffer goes to a temp file with its checksum, where errors
+still reach the writer's close()), and ``release_writer`` at the last release (the temp file is
+renamed into place: the publish). A file is published once, as a successful close left it:
+never after a failed write, never by a writer killed with it open. Reading one: ``open_read``
+opens the exact version the index describes, ``load`` reads it whole and verifies it against
+that version's checksum; a mismatch quarantines it. A name goes by ``unlink``/``rename`` or, to
+make room, by ``evict``.
+
+What appears and vanishes is told to one ``Listener`` (KV events, the kernel's caches); errors
+are OSErrors with the errno the client should see. No call waits on the backing store, on
+memory or on the kernel longer than ``io_timeout``: ``deadline`` is the one construct, and an
+operation whose caller gave up completes in the background (``bounded``), so the index never
+disagrees with the backing store. The event loop never touches the backing store itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import math
+import os
+import stat
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Protocol, TypeVar
+
+import trio
+
+from kvfs import layout, namespaces, process
+from kvfs.buffers import EXTENT, ChunkBuffer, ExtentPool, extents_for
+from kvfs.checksum import ChecksumMismatch
+from kvfs.config import MountConfig
+from kvfs.index import Index, Node
+from kvfs.io_queues import DualQueuePool, Queue
+from kvfs.mount.bridge import IO, ByteBudget, Detached, Future
+from kvfs.mount.eviction import Evictor
+from kvfs.store import BackingStore, Published, fill_times
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# A publish that meets a full backing disk evicts and tries again, this many times at most.
+DISK_FULL_RETRIES = 8
+
+Attrs = tuple[int, int, int, tuple[int, int]]  # mode, uid, gid, (atime, mtime)
+
+
+def fail(code: int) -> OSError:
+    return OSError(code, os.strerror(code))
+
+
+class Listener(Protocol):
+    """Who hears what the object layer did; called on the event loop."""
+
+    def stored(self, node: Node) -> None:
+        """A file was published under its name (or moved to a new one)."""
+
+    def removed(self, node: Node) -> None:
+        """A published file left its name (unlinked, renamed away, evicted, quarantined)."""
+
+    def name_gone(self, parent: Node, name: bytes, node: Node) -> None:
+        """The daemon took a name away behind the kernel's back: drop it from its cache."""
+
+    async def name_gone_now(self, parent: Node, name: bytes, node: Node) -> None:
+        """``name_gone``, returning once the kernel has dropped it."""
+
+    def attributes_changed(self, node: Node) -> None:
+        """Size, blocks or times changed behind the kernel's back."""
+
+    def content_changed(self, node: Node) -> None:
+        """A new version replaced the bytes in place: cached pages must go."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A file's bytes written to ``.kvfs/tmp`` at close, waiting for the last release."""
+
+    published: Published
+    generation: int  # of the buffer these bytes are
+    attrs: Attrs  # mode, owner and times they were written with
+    held: int  # capacity reserved for them
+    durable: bool
+
+
+@dataclass
+class WriteState:
+    """The buffer of a file that is open for writing; ``lock`` keeps writes out while it is
+    written to the backing store."""
+
+    buffer: ChunkBuffer
+    dirty: bool = False  # differs from the published version
+    writers: int = 0
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    generation: int = 0  # bumped by every change of the buffer
+    prepared: Prepared | None = None
+    failed: int | None = None  # errno of a failed write or close: it is never published
+    abandoned: bool = False  # its writer was killed with the file open: never published
+
+    def changed(self) -> None:
+        self.dirty = True
+        self.generation += 1
+
+
+@dataclass
+class Reader:
+    """One opened version of a published file."""
+
+    fd: int
+    checksum: str | None
+
+
+class Objects:
+    def __init__(
+        self,
+        cfg: MountConfig,
+        store: BackingStore,
+        index: Index,
+        capacity: int,
+        listener: Listener,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.index = index
+        self.listener = listener
+        self.evictor = Evictor(index, capacity, self.busy, self.evict)
+        self.pool = DualQueuePool(cfg.read_threads, cfg.write_threads)
+        self.budget = ByteBudget(cfg.write_buffer_bytes)  # extents held by write buffers
+        self.extents = ExtentPool(keep_bytes=cfg.write_buffer_bytes)
+        self.writes: dict[int, WriteState] = {}
+        self.releasing = 0  # last releases of written files under way
+        self.counters: Counter[str] = Counter()  # reads, bytes_read, publishes, bytes_written
+        self.deadline_expiries = 0
+        self.checksum_failures = 0
+        index.on_release = self._released
+        # Created in start(), once trio is running.
+        self._ns: trio.Lock
+        self.io: IO
+        self._detached: Detached
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Begin serving in ``nursery`` (the eviction sweep and detached operations run there)."""
+        self._ns = trio.Lock()  # held across a namespace change: index and backing together
+        self.io = IO(self.pool)
+        self._detached = Detached(nursery)
+        nursery.start_soon(self.evictor.sweep_forever)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
+
+    @property
+    def unpublished(self) -> int:
+        """Files open for writing, or closed and not yet published (their last release)."""
+        return len(self.writes) + self.releasing
+
+    # -- deadlines ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def deadline(self, what: str) -> Iterator[None]:
+        """The one deadline of the mount: nothing waits longer than ``io_timeout`` on the
+        backing store, on memory or on the kernel; past it, EIO for that request."""
+        with trio.move_on_after(self.cfg.io_timeout) as scope:
+            yield
+        if scope.cancelled_caught:
+            self.deadline_expiries += 1
+            log.warning("%s %.1fs: EIO", what, self.cfg.io_timeout)
+            raise fail(errno.EIO)
+
+    async def bounded(
+        self, fn: Callable[[], Awaitable[T]], undo: Callable[[T], None] | None = None
+    ) -> T:
+        """Run an operation to completion in its own task; wait for it within the deadline.
+
+        ``undo`` releases what the operation acquired if it completes after its caller gave up
+        (an fd, a writer count): nobody will use it then.
+        """
+        future = self._detached.start(fn)
+        try:
+            return await self.wait(future)
+        except OSError:
+            if undo is not None and not future.done:
+                self._detached.start(partial(self._undo_late, future, undo))
+            raise
+
+    async def wait(self, future: Future[T]) -> T:
+        with self.deadline("a request waited on the backing store"):
+            return await future.wait()
+
+    def start_detached(self, fn: Callable[[], Awaitable[T]]) -> Future[T]:
+        return self._detached.start(fn)
+
+    @staticmethod
+    async def _undo_late(future: Future[T], undo: Callable[[T], None]) -> None:
+        with contextlib.suppress(Exception):  # it failed after all: nothing to undo
+            undo(await future.wait())
+
+    def close_later(self, fd: int) -> None:
+        """Close a backing fd off the event loop: a close can block on a stalled store."""
+        self.io.submit(Queue.READ, os.close, fd)
+
+    # -- names ------------------------------------------------------------------------------
+
+    def _attached(self, node: Node) -> bytes:
+        """The node's relative path; ENOENT if it left the tree meanwhile."""
+        if not node.attached:
+            raise fail(errno.ENOENT)
+        return self.index.path(node)
+
+    def _child(self, parent: Node, name: bytes) -> Node:
+        node = self.index.child(parent, name)
+        if node is None:
+            raise fail(errno.ENOENT)
+        return node
+
+    async def make_node(
+        self,
+        parent: Node,
+        name: bytes,
+        make: Callable[[bytes, int, int], os.stat_result],
+        owner: tuple[int, int],
+        target: bytes = b"",
+    ) -> Node:
+        """Create a name on the backing store with ``make(rel, uid, gid)``, then in the index:
+        a directory, symlink, fifo, socket, device node or empty regular file."""
+
+        async def op() -> Node:
+            async with self._ns:
+                if self.index.child(parent, name) is not None:
+                    raise fail(errno.EEXIST)
+                rel = os.path.join(self._attached(parent), name)
+                st = await self.io.read(make, rel, *owner)
+                node = self.index.new_node(name, st.st_mode, *owner)
+                fill_times(node, st)
+                node.on_backing = True
+                node.rdev, node.target = st.st_rdev, target
+                if node.is_file:  # mknod of a regular file: an empty one, published
+                    node.checksum = ChunkBuffer(self.extents).checksum()
+                self.index.attach(parent, name, node)
+                if not node.is_dir:  # a directory's size is 0 here: du -b counts files only
+                    self.index.set_published(node, st.st_size, st.st_blocks)
+                return node
+
+        return await self.bounded(op)
+
+    async def rmdir(self, parent: Node, name: bytes) -> None:
+        async def op() -> None:
+            async with self._ns:
+                node = self._child(parent, name)
+                if not node.is_dir:
+                    raise fail(errno.ENOTDIR)
+                if node.children:
+                    raise fail(errno.ENOTEMPTY)
+                await self.io.read(self.store.rmdir, self._attached(node))
+                self.index.detach(node)
+
+        await self.bounded(op)
+
+    async def unlink(self, parent: Node, name: bytes) -> None:
+        async def op() -> None:
+            async with self._ns:
+                node = self._child(parent, name)
+                if node.is_dir:
+                    raise fail(errno.EISDIR)
+                if node.on_backing:
+                    await self._retire(node, os.path.join(self._attached(parent), name))
+                self.index.unlink(parent, name)
+
+        await self.bounded(op)
+
+    async def rename(
+        self, old_parent: Node, old_name: bytes, new_parent: Node, new_name: bytes, noreplace: bool
+    ) -> None:
+        async def op() -> None:
+            async with self._ns:
+                node = self._child(old_parent, old_name)
+                target = self.index.child(new_parent, new_name)
+                if target is node:  # two names of one file: POSIX says do nothing
+                    return
+                if target is not None:
+                    if noreplace:
+                        raise fail(errno.EEXIST)
+                    if node.is_dir and not target.is_dir:
+                        raise fail(errno.ENOTDIR)
+                    if target.is_dir and not node.is_dir:
+                        raise fail(errno.EISDIR)
+                    if target.children:
+                        raise fail(errno.ENOTEMPTY)
+                if node.is_dir and Index.is_ancestor(node, new_parent):
+                    raise fail(errno.EINVAL)
+                old_rel = os.path.join(self._attached(old_parent), old_name)
+                new_rel = os.path.join(self._attached(new_parent), new_name)
+                if target is not None and not target.is_dir and target.on_backing:
+                    # If the node is not published yet, the old bytes must go all the same:
+                    # the name now means the new file.
+                    await self._retire(target, new_rel, replaced=node.on_backing)
+                if node.on_backing:
+                    await self.io.read(self.store.rename, old_rel, new_rel)
+                    self.listener.removed(node)
+                if target is not None:
+                    self.index.unlink(new_parent, new_name)
+                self.index.move(old_parent, old_name, new_parent, new_name)
+                if node.on_backing:
+                    self.listener.stored(node)
+
+        await self.bounded(op)
+
+    async def link(self, node: Node, parent: Node, name: bytes) -> None:
+        """A hard link: one more name for a file. A file with several names is never evicted;
+        each publish of it puts the new bytes under every name."""
+
+        async def op() -> None:
+            async with self._ns:
+                if self.index.child(parent, name) is not None:
+                    raise fail(errno.EEXIST)
+                rel = os.path.join(self._attached(parent), name)
+                if node.on_backing:  # else its publish makes every name
+                    await self.io.read(self.store.link, self._attached(node), rel)
+                self.index.link(node, parent, name)
+                node.ctime_ns = time.time_ns()
+
+        await self.bounded(op)
+
+    async def _retire(self, node: Node, rel: bytes, replaced: bool = False) -> None:
+        """Take the name ``rel`` of a published node off the backing store (the caller holds the
+        lock and changes the index after).
+
+        A file's last name takes its bytes along; while the kernel may still open the node (it
+        resolved the name before the unlink or rename: lookup count) or a handle may still read
+        it, the bytes move to .kvfs/unlinked and go when the kernel forgets the node. Otherwise
+        they are removed now, or, when ``replaced``, by the rename that puts another file over
+        them. Other names (hard links), symlinks and special files just lose the name.
+        """
+        last = not node.links
+        if last and node.is_file:
+            self.listener.removed(node)
+            if node.lookups or node.open_count:
+                await self.io.read(self.store.rename, rel, layout.unlinked_path(node.ino))
+                return
+        if not replaced:
+            await self.io.read(self.store.unlink, rel)
+        if last:
+            node.on_backing = False
+
+    def _released(self, node: Node) -> None:
+        """The kernel and every handle let go of a node that left the tree: free its bytes."""
+        if node.on_backing and not node.is_dir:
+            self.io.submit(Queue.WRITE, self.store.discard, layout.unlinked_path(node.ino))
+
+    def _backing_rel(self, node: Node) -> bytes:
+        """Where the backing store holds a node's published bytes."""
+        if node.attached:
+            return self.index.path(node)
+        if node.on_backing:
+            return layout.unlinked_path(node.ino)
+        raise fail(errno.ENOENT)
+
+    async def set_attrs(
+        self,
+        node: Node,
+        mode: int | None,
+        owner: tuple[int, int] | None,
+        times: tuple[int, int] | None,
+    ) -> None:
+        async def op() -> None:
+            async with self._ns:
+                if node.on_backing and node.attached:
+                    st = await self.io.read(
+                        self.store.set_attrs, self.index.path(node), mode, owner, times
+                    )
+                    node.ctime_ns = st.st_ctime_ns
+                else:  # its publish writes what the node says
+                    node.ctime_ns = time.time_ns()
+                if mode is not None:
+                    node.mode = mode
+                if owner is not None:
+                    node.uid, node.gid = owner
+                if times is not None:
+                    node.atime_ns, node.mtime_ns = times
+
+        await self.bounded(op)
+
+    async def set_pinned(self, node: Node, pinned: bool) -> None:
+        async def op() -> None:
+            async with self._ns:
+                await self.io.read(self.store.save_pinned, self._attached(node), pinned)
+                node.pinned = pinned
+
+        await self.bounded(op)
+
+    async def statvfs(self) -> os.statvfs_result:
+        return await self.bounded(partial(self.io.read, self.store.statvfs))
+
+    # -- writing ----------------------------------------------------------------------------
+
+    async def create(
+        self, parent: Node, name: bytes, mode: int, owner: tuple[int, int], exclusive: bool
+    ) -> tuple[Node, bool]:
+        """A new empty file open for writing (visible at once, published at its last release),
+        or the existing one, not opened; True if it was created."""
+
+        async def op() -> tuple[Node, bool]:
+            # Under the lock: mkdir/rename/rmdir check a name, await the disk, then change the
+            # index, and a create must not slip in between.
+            async with self._ns:
+                existing = self.index.child(parent, name)
+                if existing is not None:
+                    if exclusive:
+                        raise fail(errno.EEXIST)
+                    return existing, False
+                if not parent.attached:
+                    raise fail(errno.ENOENT)
+                node = self.index.new_node(name, stat.S_IFREG | mode, *owner)
+                node.atime_ns = node.mtime_ns = node.ctime_ns = time.time_ns()
+                self.index.attach(parent, name, node)
+                ws = self.writes[node.ino] = WriteState(ChunkBuffer(self.extents), writers=1)
+                ws.changed()
+                return node, True
+
+        return await self.bounded(
+            op, undo=lambda result: self.drop_writer(result[0]) if result[1] else None
+        )
+
+    async def open_write(self, node: Node, truncate: bool) -> None:
+        """One more writer; the file's bytes are loaded first (verified) unless truncated."""
+        if node.ino not in self.writes and not node.on_backing:
+            raise fail(errno.ESTALE)
+        await self.bounded(
+            partial(self._open_write, node, truncate), undo=lambda _: self.drop_writer(node)
+        )
+
+    async def _open_write(self, node: Node, truncate: bool) -> None:
+        ws = self.writes.get(node.ino)
+        if ws is None:
+            ws = self.writes[node.ino] = WriteState(ChunkBuffer(self.extents))
+            if node.on_backing and node.size and not truncate:
+                held = extents_for(node.size) * EXTENT
+                try:
+                    async with ws.lock:  # writes wait until the current bytes are loaded
+                        self._check_size(node.size)
+                        with self.deadline("an open for writing waited for buffer memory"):
+                            await self.budget.acquire(held)
+                        try:
+                            ws.buffer = await self._read_backing(node)
+                        except BaseException:
+                            self.budget.release(held)
+                            raise
+                except BaseException:
+                    if ws.writers == 0:  # nobody else joined while it loaded
+                        self._drop_write_state(node)
+                    raise
+        ws.writers += 1
+        if truncate:
+            async with ws.lock:
+                self._resize(ws, 0)
+                ws.changed()
+
+    async def write(self, node: Node, offset: int, data: bytes) -> None:
+        ws = self.writes[node.ino]
+        if ws.failed is not None:
+            raise fail(ws.failed)
+        async with ws.lock:
+            try:
+                await self._reserve(ws, offset, offset + len(data))
+            except OSError as err:
+                ws.failed = err.errno  # the file can no longer be what its writer meant
+                raise
+            ws.buffer.write(offset, data)
+            ws.changed()
+        node.mtime_ns = node.ctime_ns = time.time_ns()
+
+    def _check_size(self, size: int) -> None:
+        """A file lives whole in the write buffer while it is written: no larger than it."""
+        if size > self.budget.capacity:
+            raise fail(errno.EFBIG)
+
+    async def _reserve(self, ws: WriteState, offset: int, end: int) -> None:
+        """Take budget for the extents a write of [offset, end) adds (holes take none).
+
+        Writers wait for memory; but if every holder waits for more (the budget is split among
+        many half-written files), nobody could ever go on: past the deadline, EIO.
+        """
+        self._check_size(end)
+        extra = ws.buffer.extents_to_add(offset, end)
+        if extra:
+            with self.deadline("a write waited for buffer memory"):
+                await self.budget.acquire(extra * EXTENT)
+
+    def _resize(self, ws: WriteState, size: int) -> None:
+        """Truncate a buffer (budget reserved beforehand if it grows; returned if it shrinks)."""
+        before = ws.buffer.capacity
+        ws.buffer.truncate(size)
+        if ws.buffer.capacity < before:
+            self.budget.release(before - ws.buffer.capacity)
+
+    async def close_write(self, node: Node, opener: int) -> None:
+        """A writer's close() (FLUSH): write the bytes to a temp file now, so that errors reach
+        it; the last release publishes them. The close the kernel makes for a writer it is
+        tearing down after a kill publishes nothing."""
+        ws = self.writes.get(node.ino)
+        if ws is None:
+            return
+        if ws.failed is not None:
+            raise fail(ws.failed)
+        if process.killed_by_signal(opener):
+            ws.abandoned = True
+            log.warning("inode %d: its writer was killed with it open: not published", node.ino)
+            return
+        if ws.dirty:
+            await self._prepare_or_fail(node, ws, durable=False)
+
+    async def fsync(self, node: Node, writer: bool) -> None:
+        ws = self.writes.get(node.ino)
+        if writer and ws is not None and ws.dirty:
+            if ws.failed is not None:
+                raise fail(ws.failed)
+            await self._prepare_or_fail(node, ws, durable=True)
+        elif node.on_backing:
+
+            async def op() -> None:
+                async with self._ns:
+                    rel = self._backing_rel(node)
+                await self.io.write(self.store.fsync, rel)
+
+            await self.bounded(op)
+
+    async def release_writer(self, node: Node) -> None:
+        """A writer's last descriptor went (RELEASE); the last writer publishes."""
+        ws = self.writes.get(node.ino)
+        if ws is None:
+            return
+        self.releasing += 1
+        try:
+            await self.bounded(partial(self._release_writer, node, ws))
+        except OSError as err:
+            log.warning("publish of inode %d failed at release: %s", node.ino, err)
+        finally:
+            self.releasing -= 1
+
+    async def _release_writer(self, node: Node, ws: WriteState) -> None:
+        gone: Node | None = None
+        async with ws.lock:  # after a prepare that outlived its deadline
+            try:
+                if ws.writers == 1:
+                    await self._publish(node, ws)
+            finally:
+                gone = self.drop_writer(node)
+        if gone is not None:  # unpublished, its name went: the kernel must know before we answer
+            await self.listener.name_gone_now(gone, node.name, node)
+
+    async def _prepare_or_fail(self, node: Node, ws: WriteState, durable: bool) -> None:
+        try:
+            await self.bounded(partial(self._prepare, node, ws, durable))
+        except OSError as err:
+            ws.failed = err.errno or errno.EIO  # the writer was told: never published
+            raise
+
+    async def _prepare(self, node: Node, ws: WriteState, durable: bool) -> None:
+        async with ws.lock:  # writes to this file wait until its bytes are on the store
+            await self._prepare_locked(node, ws, durable)
+
+    async def _prepare_locked(self, node: Node, ws: WriteState, durable: bool) -> None:
+        """Write the buffer to a temp file, with room reserved for it, unless done already."""
+        current = ws.prepared
+        if current is not None:
+            if current.generation == ws.generation and (current.durable or not durable):
+                return
+            ws.prepared = None
+            self._discard(current)
+        held = await self.evictor.reserve(ws.buffer.size)
+        attrs = self._file_attrs(node)
+        try:
+            published = await self._write_tmp(ws.buffer, attrs, durable)
+        except BaseException:
+            self.evictor.release(held)
+            raise
+        ws.prepared = Prepared(published, ws.generation, attrs, held, durable)
+
+    def _discard(self, prepared: Prepared) -> None:
+        self.evictor.release(prepared.held)
+        self.io.submit(Queue.WRITE, self.store.discard, prepared.published.tmp)
+
+    async def _publish(self, node: Node, ws: WriteState) -> None:
+        """Rename the prepared bytes into place if they are the file as its last close left
+        it; otherwise (a write failed, the writer was killed, no close) drop them."""
+        prepared, ws.prepared = ws.prepared, None
+        if not ws.dirty:
+            if prepared is not None:
+                self._discard(prepared)
+            return
+        if ws.failed is not None or ws.abandoned or prepared is None:
+            why = "a write failed" if ws.failed is not None else "its writer did not close it"
+            log.info("inode %d not published: %s", node.ino, why)
+            if prepared is not None:
+                self._discard(prepared)
+            return
+        if prepared.generation != ws.generation:  # changed after its close (shared mmap)
+            self._discard(prepared)
+            log.info("inode %d not published: changed after its last close", node.ino)
+            return
+        try:
+            rewritten = await self._commit(node, ws, prepared)
+        finally:  # after set_published: the bytes are counted in one place at all times
+            self.evictor.release(prepared.held)
+        if rewritten:
+            self.listener.content_changed(node)
+        elif prepared.published.blocks != math.ceil(prepared.published.size / 512):
+            # The kernel may hold the st_blocks we gave while the file was dirty; `du` must see
+            # the real ones. (Usually equal for chunk files: then the kernel keeps its cache and
+            # the engine's next access() of the chunk costs no round trip.)
+            self.listener.attributes_changed(node)
+
+    async def _commit(self, node: Node, ws: WriteState, prepared: Prepared) -> bool:
+        """Rename a temp file over the node's name; returns whether it replaced a version."""
+        pub = prepared.published
+        async with self._ns:
+            if not node.attached:  # unlinked while open: the bytes have no name to take
+                self.io.submit(Queue.WRITE, self.store.discard, pub.tmp)
+                ws.dirty = False
+                return False
+            rel = self.index.path(node)
+            try:
+                await self.io.read(self.store.rename, pub.tmp, rel)
+            except BaseException:
+                self.io.submit(Queue.WRITE, self.store.discard, pub.tmp)
+                raise
+            attrs = self._file_attrs(node)
+            if attrs != prepared.attrs:  # chmod, chown, touch after its close
+                mode, uid, gid, times = attrs
+                await self.io.read(self.store.set_attrs, rel, mode, (uid, gid), times)
+            for alias in self.index.paths(node)[1:]:  # hard links: every name, the new bytes
+                await self.io.read(self.store.relink, rel, alias)
+            rewritten = node.on_backing
+            node.on_backing = True
+            node.rewritten = node.rewritten or rewritten
+            node.checksum = pub.checksum
+            if not node.hits:  # never read: as recent as its write (what a restart sees)
+                node.last_read_ns = node.mtime_ns
+            if namespaces.is_namespace_config(node) and node.parent is not None:
+                config = ws.buffer.read(0, namespaces.CONFIG_MAX_BYTES + 1)
+                node.parent.meta = namespaces.parse_config(bytes(config))
+            self.index.set_published(node, pub.size, pub.blocks)
+            ws.dirty = False
+            self.counters["publishes"] += 1
+            self.counters["bytes_written"] += pub.size
+            self.listener.stored(node)
+            return rewritten
+
+    @staticmethod
+    def _file_attrs(node: Node) -> Attrs:
+        return node.mode, node.uid, node.gid, (node.atime_ns, node.mtime_ns)
+
+    async def _write_tmp(self, data: ChunkBuffer, attrs: Attrs, durable: bool) -> Published:
+        for _ in range(DISK_FULL_RETRIES):
+            try:
+                return await self.io.write(self.store.write_tmp, data, *attrs, durable)
+            except OSError as err:
+                # The backing filesystem filled up before the capacity did (other data shares
+                # it, or readers still hold evicted files open): make room the same way.
+                if err.errno != errno.ENOSPC:
+                    raise
+                if not await self.evictor.free_up(data.size, "disk full"):
+                    raise
+        raise fail(errno.ENOSPC)
+
+    async def truncate(self, node: Node, size: int) -> None:
+        await self.bounded(partial(self._truncate, node, size))
+
+    async def _truncate(self, node: Node, size: int) -> None:
+        ws = self.writes.get(node.ino)
+        if ws is not None:
+            async with ws.lock:
+                if self.writes.get(node.ino) is ws:  # not let go while we waited
+                    # Open for writing: the writers' close publishes the new size; if they
+                    # all closed already, nobody will after this truncate: it completes the file.
+                    self._truncate_buffer(node, ws, size)
+                    if ws.prepared is not None:
+                        await self._prepare_locked(node, ws, durable=False)
+                    return
+        # truncate(2) by path with no writer: open it for writing ourselves, and publish.
+        if not node.on_backing:
+            raise fail(errno.ESTALE)
+        await self._open_write(node, truncate=size == 0)
+        ws = self.writes[node.ino]
+        try:
+            async with ws.lock:
+                self._truncate_buffer(node, ws, size)
+                await self._prepare_locked(node, ws, durable=False)
+        finally:
+            await self._release_writer(node, ws)
+
+    def _truncate_buffer(self, node: Node, ws: WriteState, size: int) -> None:
+        if ws.failed is not None:
+            raise fail(ws.failed)
+        self._check_size(size)  # growing adds a hole: no memory to reserve
+        self._resize(ws, size)
+        ws.changed()
+        node.mtime_ns = node.ctime_ns = time.time_ns()
+
+    def drop_writer(self, node: Node) -> Node | None:
+        """One writer less; the last one takes the write state (and its memory) away. Returns
+        the directory a never-published name left, if it did."""
+        ws = self.writes.get(node.ino)
+        if ws is not None:
+            ws.writers -= 1
+            if ws.writers == 0:
+                return self._drop_write_state(node)
+        return None
+
+    def _drop_write_state(self, node: Node) -> Node | None:
+        ws = self.writes.pop(node.ino)
+        if ws.prepared is not None:
+            self._discard(ws.prepared)
+            ws.prepared = None
+        self.budget.release(ws.buffer.capacity)
+        ws.buffer.release()
+        self.listener.attributes_changed(node)
+        if not (ws.dirty and not node.on_backing and node.attached):
+            return None
+        # Never published: the name must not outlive the bytes it stood for.
+        parent = node.parent
+        assert parent is not None
+        self.index.detach(node)
+        self.listener.name_gone(parent, node.name, node)
+        return parent
+
+    def being_written(self, node: Node) -> ChunkBuffer | None:
+        """The buffer of a file open for writing (what its readers see until it is published)."""
+        ws = self.writes.get(node.ino)
+        return ws.buffer if ws is not None else None
+
+    def size(self, node: Node) -> tuple[int, int]:
+        """Size and 512-byte blocks to show: the buffer's while it differs from the published."""
+        ws = self.writes.get(node.ino)
+        if ws is not None and (ws.dirty or not node.on_backing):
+            return ws.buffer.size, math.ceil(ws.buffer.size / 512)
+        return node.size, node.blocks
+
+    # -- reading ----------------------------------------------------------------------------
+
+    async def open_read(self, node: Node) -> Reader | None:
+        """Open the published version of a file for a reader; None while it is being written
+        (its readers see the buffer until the version they will read is published)."""
+        if node.ino in self.writes:
+            return None
+        if not node.on_backing:
+            # Evicted or quarantined after the kernel resolved the name: the VFS looks the
+            # name up afresh on ESTALE, and finds it gone.
+            raise fail(errno.ESTALE)
+        reader = await self.bounded(
+            partial(self._open_backing, node), undo=lambda late: self.close_later(late.fd)
+        )
+        # A read, for eviction: counted at open, since the kernel's page cache may answer the
+        # reads themselves. Persisted so that the order survives a restart.
+        self.index.read(node, time.time_ns())
+        self.counters["reads"] += 1
+        self.io.submit(
+            Queue.WRITE, self.store.save_recency, os.dup(reader.fd), node.last_read_ns, node.hits
+        )
+        return reader
+
+    async def _open_backing(self, node: Node) -> Reader:
+        """The exact version the index describes, and the checksum of that version."""
+        async with self._ns:  # no rename or publish may change the version meanwhile
+            fd = await self.io.read(self.store.open_reader, self._backing_rel(node))
+            return Reader(fd, node.checksum)
+
+    async def load(self, node: Node, reader: Reader | None) -> tuple[Reader, ChunkBuffer]:
+        """Read a version whole and verify it; ``reader`` None for a handle opened while the
+        file was being written (the version published since)."""
+        if reader is None:
+            if not node.on_backing:  # never published: there are no bytes
+                raise fail(errno.EIO)
+            reader = await self._open_backing(node)
+        data = await self._read_verified(node, reader)
+        self.counters["bytes_read"] += data.size
+        return reader, data
+
+    async def _read_backing(self, node: Node) -> ChunkBuffer:
+        reader = await self._open_backing(node)
+        try:
+            return await self._read_verified(node, reader)
+        finally:
+            self.close_later(reader.fd)
+
+    async def _read_verified(self, node: Node, reader: Reader) -> ChunkBuffer:
+        """Check against the checksum of the version opened (a newer one may be published)."""
+        expected = reader.checksum
+        try:
+            data = await self.io.read(self.store.read_verified, reader.fd, expected, self.extents)
+        except ChecksumMismatch as err:
+            if node.checksum == expected:  # the version the tree serves is bad
+                await self._quarantine(node, str(err))
+            raise
+        if expected is None and node.checksum is None:  # written around the mount: adopt it
+            node.checksum = data.checksum()
+            if node.attached:
+                self.io.submit(
+                    Queue.WRITE, self.store.store_checksum, self.index.path(node), node.checksum
+                )
+        return data
+
+    # -- removal ----------------------------------------------------------------------------
+
+    async def _quarantine(self, node: Node, why: str) -> None:
+        self.checksum_failures += 1
+        async with self._ns:
+            if not node.attached or not node.on_backing:
+                return
+            rel, *aliases = self.index.paths(node)
+            dest = await self.io.read(self.store.quarantine, rel)
+            for alias in aliases:  # every name of it goes
+                await self.io.read(self.store.discard, alias)
+            for alias_parent, alias_name in list(node.links):
+                self.index.unlink(alias_parent, alias_name)
+                self.listener.name_gone(alias_parent, alias_name, node)
+            parent = node.parent
+            assert parent is not None
+            node.on_backing = False
+            self.listener.removed(node)
+            self.index.detach(node)
+        log.error(
+            "quarantined %s to %s: %s",
+            rel.decode(errors="replace"),
+            dest.decode(errors="replace"),
+            why,
+        )
+        # Before the reader hears EIO: its next access() must already miss.
+        await self.listener.name_gone_now(parent, node.name, node)
+
+    def busy(self, node: Node) -> bool:
+        """Files that eviction must leave alone: pinned, being written, not on disk yet, not a
+        regular file, with several names, or a namespace's config.json (tiny, and what names the
+        model in every report)."""
+        return (
+            node.ino in self.writes
+            or not node.on_backing
+            or not node.is_file
+            or bool(node.links)  # several names: an operator's deliberate act
+            or self.index.pinned(node)
+            or namespaces.is_namespace_config(node)
+        )
+
+    async def evict(self, node: Node, reason: str, wait_for_kernel: bool = True) -> bool:
+        """Remove a file to make room, now: its space must be free for the publish that asked.
+
+        Readers that opened it keep their own descriptors of its bytes; an open through a name
+        the kernel resolved before gets ESTALE, and the VFS then finds the name gone.
+        """
+        async with self._ns:
+            if not node.attached or self.busy(node):
+                return False
+            parent = node.parent
+            assert parent is not None
+            with contextlib.suppress(FileNotFoundError):  # deleted around the mount
+                await self.io.read(self.store.unlink, self.index.path(node))
+            node.on_backing = False
+            self.listener.removed(node)
+            self.index.detach(node)
+        log.debug("evicted inode %d (%s)", node.ino, reason)
+        if wait_for_kernel:  # access() of the name must miss from now on
+            await self.listener.name_gone_now(parent, node.name, node)
+        else:
+            self.listener.name_gone(parent, node.name, node)
+        return True
+
+    async def evict_by_request(self, request: str) -> None:
+        """``namespace=NAME`` or ``older-than=SECONDS`` (from `kvfs evict`): evict those files,
+        except what may not go (pinned, being written)."""
+
+        async def op() -> None:
+            key, _, value = request.partition("=")
+            if key == "namespace":
+                top = self.index.child(self.index.root, value.encode())
+                if top is None or not top.is_dir:
+                    raise fail(errno.ENOENT)
+                files = list(self.index.walk_files(top))
+            elif key == "older-than":
+                try:
+                    cutoff = time.time_ns() - int(float(value) * 1e9)
+                except (ValueError, OverflowError):
+                    raise fail(errno.EINVAL) from None
+                files = [f for f in self.index.walk_files() if f.last_read_ns < cutoff]
+            else:
+                raise fail(errno.EINVAL)
+            for node in files:  # the caller holds the root's lock: never wait on the kernel
+                if await self.evict(node, "request", wait_for_kernel=False):
+                    self.evictor.evictions["request"] += 1
+
+        await self.bounded(op)
