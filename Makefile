@@ -13,8 +13,15 @@ TORCH       := torch==2.13.0
 run: apt $(VENV)/.mount
 	$(PY) -m tools.demo $(MOUNTPOINT)
 
+# The mount tests run once more over kvfs's own /dev/fuse session (the default run uses pyfuse3).
+MOUNT_TESTS := tests/test_posix.py tests/test_posix_special.py tests/test_publish.py \
+	tests/test_integrity.py tests/test_capacity.py tests/test_hostile_input.py \
+	tests/test_deadlines.py tests/test_vllm_pattern.py tests/test_vllm_tier.py \
+	tests/test_failures.py tests/test_inspect.py tests/test_daemon_death.py
+
 test: apt $(VENV)/.test lint
 	$(PY) -m pytest -q
+	KVFS_TEST_SESSION=kernel $(PY) -m pytest -q $(MOUNT_TESTS)
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check kvfs mount connector tests tools

@@ -13,6 +13,8 @@ from typing import Any
 from kvfs import __version__, inspect, mountctl, verify
 from kvfs.config import (
     FUSE_OPTIONS,
+    SESSIONS,
+    VERIFY_MODES,
     ConfigError,
     MountConfig,
     check_bind_address,
@@ -43,6 +45,8 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         events=args.events,
         fuse_options=parse_fuse_options(args.option),
         file_umask=parse_umask(args.umask),
+        session=args.session,
+        verify=args.verify,
     )
     started = mountctl.mount(
         args.mountpoint, backing, daemon_options(cfg, args), args.foreground, args.supervise
@@ -67,6 +71,8 @@ def daemon_options(cfg: MountConfig, args: argparse.Namespace) -> list[str]:
         *([f"--events={cfg.events}"] if cfg.events else []),
         *(f"--fuse-option={option}" for option in cfg.fuse_options),
         f"--umask={cfg.file_umask:03o}",
+        f"--session={cfg.session}",
+        f"--verify={cfg.verify}",
         *(["--debug"] if args.debug else []),
     ]
 
@@ -209,6 +215,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=f"{MountConfig.file_umask:03o}",
         help="octal permission bits removed from files and directories created on the mount, "
         "whatever mode the writer asks (default %(default)s)",
+    )
+    mount.add_argument(
+        "--session",
+        choices=SESSIONS,
+        default=MountConfig.session,
+        help="FUSE session: kernel (kvfs speaks FUSE on /dev/fuse; root; reads can pass "
+        "through to the backing files), pyfuse3 (libfuse), auto (kernel for root on a local "
+        "backing filesystem, else pyfuse3; the log says which and why) (default %(default)s)",
+    )
+    mount.add_argument(
+        "--verify",
+        choices=VERIFY_MODES,
+        default=MountConfig.verify,
+        help="every-read: the daemon serves and checks every read; first-read: a chunk is "
+        "checked at its publish or first read, then read in passthrough where the session "
+        "has it (default %(default)s)",
     )
     mount.add_argument(
         "--supervise",

@@ -13,6 +13,10 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
 
 
+SESSIONS = ("auto", "kernel", "pyfuse3")
+VERIFY_MODES = ("every-read", "first-read")
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key and what is accepted."""
 
@@ -129,6 +133,13 @@ class MountConfig:
     # Permission bits removed from every file and directory created on the mount, whatever
     # mode the writer asks (vLLM asks 0644): chunks are model state, not for every user.
     file_umask: int = 0o027
+    # The FUSE session: "pyfuse3" (libfuse, unprivileged mounts), "kernel" (kvfs speaks the
+    # protocol on /dev/fuse itself, root, can pass reads through), "auto" (kernel where it may).
+    session: str = "auto"
+    # "every-read": every read is served by the daemon and verified. "first-read": a chunk is
+    # verified once (at its publish, or its first read), then read in passthrough where the
+    # session has it.
+    verify: str = "every-read"
     # How long the kernel may cache names, misses and attributes. Safe to make long: every
     # change goes through the daemon, which invalidates what it changes behind the kernel.
     cache_timeout: float = 3600.0
@@ -148,6 +159,10 @@ class MountConfig:
             raise ConfigError("metrics_port: must be a TCP port (1-65535)")
         check_bind_address(self.metrics_address, "metrics_address")
         parse_fuse_options(list(self.fuse_options))
+        if self.session not in SESSIONS:
+            raise ConfigError(f"session: {self.session!r} is not one of {', '.join(SESSIONS)}")
+        if self.verify not in VERIFY_MODES:
+            raise ConfigError(f"verify: {self.verify!r} is not one of {', '.join(VERIFY_MODES)}")
         if not 0 <= self.file_umask <= 0o777:
             raise ConfigError(f"file_umask: {self.file_umask:#o} is not a umask (0 to 0o777)")
         if self.events is not None and "://" not in self.events:

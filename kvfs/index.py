@@ -57,6 +57,7 @@ class Node:
         "tree_bytes",
         "tree_files",
         "uid",
+        "verified",
     )
 
     def __init__(self, ino: int, name: bytes, mode: int, uid: int = 0, gid: int = 0) -> None:
@@ -76,6 +77,9 @@ class Node:
         # Published again in place since the kernel may have cached its pages: readers then
         # bypass the page cache, which per inode cannot hold two versions.
         self.rewritten = False
+        # Its bytes were checked since the daemon started (its own publish, or a read that
+        # matched the checksum): --verify first-read lets the kernel read it in passthrough.
+        self.verified = False
         # On directories: published files and bytes below, kept exact, so per-namespace
         # reports need no walk; and a namespace's parsed config.json, if it has one.
         self.tree_files = 0

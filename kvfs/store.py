@@ -233,9 +233,12 @@ class BackingStore:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.abs(rel))
 
-    def open_reader(self, rel: bytes) -> int:
-        """Open a backing file for ``read_verified`` (O_DIRECT where the filesystem takes it)."""
-        return os.open(self.abs(rel), os.O_RDONLY | os.O_CLOEXEC | self._direct_flag)
+    def open_reader(self, rel: bytes, direct: bool = True) -> int:
+        """Open a backing file for ``read_verified`` (O_DIRECT where the filesystem takes it),
+        or, ``direct`` False, for the kernel to read in passthrough (a backing file opened
+        O_DIRECT would make every passthrough read direct, and unaligned ones fail)."""
+        flags = os.O_RDONLY | os.O_CLOEXEC | (self._direct_flag if direct else 0)
+        return os.open(self.abs(rel), flags)
 
     @staticmethod
     def read_verified(fd: int, expected: str | None, pool: ExtentPool) -> ChunkBuffer:

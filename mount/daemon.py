@@ -16,6 +16,7 @@ from kvfs import mountctl
 from kvfs.config import ConfigError, MountConfig, parse_capacity, parse_fuse_options, parse_umask
 from kvfs.eviction import make_policy
 from kvfs.index import Index
+from kvfs.mount import sessions
 from kvfs.mount.operations import KvfsOperations
 from kvfs.mountctl import READY
 from kvfs.store import BackingBusy, BackingStore
@@ -102,7 +103,8 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
     except ConfigError as err:
         tell(f"error: {err}")
         return 1
-    ops = KvfsOperations(cfg, store, index, capacity)
+    session, why = sessions.choose(cfg)
+    ops = KvfsOperations(cfg, store, index, capacity, session)
     mountpoint = str(cfg.mountpoint)
     try:
         guarded = mountctl.prepare_mountpoint(mountpoint)
@@ -111,7 +113,7 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
         ops.close()
         return 1
     try:
-        pyfuse3.init(ops, mountpoint, fuse_options(cfg))
+        session.init(ops, mountpoint, fuse_options(cfg))
     except RuntimeError as err:
         tell(f"error: cannot mount {mountpoint}: {err}")
         if guarded:
@@ -128,13 +130,14 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
         cfg.eviction,
         os.getpid(),
     )
+    log.info("session: %s (%s); %s", sessions.name(session), why, sessions.describe(session, cfg))
     tell(READY)
     if ready_fd is not None:
         os.close(ready_fd)
     try:
         trio.run(ops.run)
     finally:
-        pyfuse3.close(unmount=True)
+        session.close(unmount=True)
         ops.close()
         store.close()
         log.info("unmounted %s", mountpoint)
@@ -158,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--events")
     parser.add_argument("--fuse-option", action="append", default=[])
     parser.add_argument("--umask", default=f"{MountConfig.file_umask:03o}")
+    parser.add_argument("--session", default=MountConfig.session)
+    parser.add_argument("--verify", default=MountConfig.verify)
     parser.add_argument("--debug", action="store_true")
     return parser
 
@@ -177,6 +182,8 @@ def config_from(args: argparse.Namespace) -> MountConfig:
         events=args.events,
         fuse_options=parse_fuse_options(args.fuse_option),
         file_umask=parse_umask(args.umask),
+        session=args.session,
+        verify=args.verify,
     )
 
 

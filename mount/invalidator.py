@@ -12,8 +12,9 @@ import queue
 import threading
 from collections.abc import Callable
 
-import pyfuse3
 import trio
+
+from kvfs.mount.kernel_session import FuseSession
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,8 @@ WAIT_FOR_KERNEL = 5.0
 
 
 class Invalidator:
-    def __init__(self) -> None:
+    def __init__(self, session: FuseSession) -> None:
+        self._session = session
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvfs-invalidate", daemon=True)
         self._thread.start()
@@ -70,9 +72,9 @@ class Invalidator:
             ino, name, extra, done = item
             try:
                 if name is None:
-                    pyfuse3.invalidate_inode(ino, attr_only=not extra)
+                    self._session.invalidate_inode(ino, attr_only=not extra)
                 else:
-                    pyfuse3.invalidate_entry(ino, name, extra)
+                    self._session.invalidate_entry(ino, name, extra)
             except OSError as err:  # the kernel already forgot it: nothing to do
                 log.debug("invalidate %s %r: %s", ino, name, err)
             if done is not None:

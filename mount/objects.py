@@ -640,6 +640,7 @@ class Objects:
             node.on_backing = True
             node.rewritten = node.rewritten or rewritten
             node.checksum = pub.checksum
+            node.verified = True  # written by this daemon, checksummed from its own buffer
             if not node.hits:  # never read: as recent as its write (what a restart sees)
                 node.last_read_ns = node.mtime_ns
             if namespaces.is_namespace_config(node) and node.parent is not None:
@@ -744,9 +745,10 @@ class Objects:
 
     # -- reading ----------------------------------------------------------------------------
 
-    async def open_read(self, node: Node) -> Reader | None:
+    async def open_read(self, node: Node, passthrough: bool = False) -> Reader | None:
         """Open the published version of a file for a reader; None while it is being written
-        (its readers see the buffer until the version they will read is published)."""
+        (its readers see the buffer until the version they will read is published).
+        ``passthrough``: for the kernel to read itself (not O_DIRECT)."""
         if node.ino in self.writes:
             return None
         if not node.on_backing:
@@ -754,7 +756,8 @@ class Objects:
             # name up afresh on ESTALE, and finds it gone.
             raise fail(errno.ESTALE)
         reader = await self.bounded(
-            partial(self._open_backing, node), undo=lambda late: self.close_later(late.fd)
+            partial(self._open_backing, node, not passthrough),
+            undo=lambda late: self.close_later(late.fd),
         )
         # A read, for eviction: counted at open, since the kernel's page cache may answer the
         # reads themselves. Persisted so that the order survives a restart.
@@ -765,10 +768,10 @@ class Objects:
         )
         return reader
 
-    async def _open_backing(self, node: Node) -> Reader:
+    async def _open_backing(self, node: Node, direct: bool = True) -> Reader:
         """The exact version the index describes, and the checksum of that version."""
         async with self._ns:  # no rename or publish may change the version meanwhile
-            fd = await self.io.read(self.store.open_reader, self._backing_rel(node))
+            fd = await self.io.read(self.store.open_reader, self._backing_rel(node), direct)
             return Reader(fd, node.checksum)
 
     async def load(self, node: Node, reader: Reader | None) -> tuple[Reader, ChunkBuffer]:
@@ -804,6 +807,8 @@ class Objects:
                 self.io.submit(
                     Queue.WRITE, self.store.store_checksum, self.index.path(node), node.checksum
                 )
+        if node.checksum == (expected or node.checksum):  # the version the tree serves
+            node.verified = True
         return data
 
     # -- removal ----------------------------------------------------------------------------

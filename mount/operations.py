@@ -42,10 +42,11 @@ from kvfs import layout, namespaces, process
 from kvfs.buffers import ALIGN, ChunkBuffer
 from kvfs.config import MountConfig
 from kvfs.index import ROOT_INO, Index, Node
-from kvfs.mount import control
+from kvfs.mount import control, sessions
 from kvfs.mount.bridge import Future, contained
 from kvfs.mount.events import MountEvents, block_of
 from kvfs.mount.invalidator import Invalidator
+from kvfs.mount.kernel_session import FuseSession, PassthroughFileInfo
 from kvfs.mount.metrics import TIMED_OPERATIONS, Metrics
 from kvfs.mount.objects import Objects, Reader
 from kvfs.store import BackingStore
@@ -72,12 +73,20 @@ class Handle:
 class KvfsOperations(pyfuse3.Operations):
     enable_writeback_cache = False
 
-    def __init__(self, cfg: MountConfig, store: BackingStore, index: Index, capacity: int) -> None:
+    def __init__(
+        self,
+        cfg: MountConfig,
+        store: BackingStore,
+        index: Index,
+        capacity: int,
+        session: FuseSession = pyfuse3,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.index = index
+        self.session = session
         self.objects = Objects(cfg, store, index, capacity, listener=self)
-        self.invalidator = Invalidator()
+        self.invalidator = Invalidator(session)
         self.events = MountEvents(cfg.events) if cfg.events else None
         self.metrics = Metrics()
         self._handles: dict[int, Handle] = {}
@@ -102,7 +111,7 @@ class KvfsOperations(pyfuse3.Operations):
             if self.cfg.metrics_port is not None:
                 self.metrics.snapshot = self.report(walk=False)
                 self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_address)
-            await pyfuse3.main(min_tasks=4, max_tasks=128)
+            await self.session.main(min_tasks=4, max_tasks=128)
             nursery.cancel_scope.cancel()
 
     def report(self, walk: bool) -> dict[str, Any]:
@@ -124,11 +133,10 @@ class KvfsOperations(pyfuse3.Operations):
             if handle.reader is not None:
                 os.close(handle.reader.fd)
 
-    @staticmethod
-    async def _stop_on_signal() -> None:
+    async def _stop_on_signal(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
-                pyfuse3.terminate()
+                self.session.terminate()
                 return
 
     # -- what the object layer did (its Listener) -------------------------------------------
@@ -379,12 +387,12 @@ class KvfsOperations(pyfuse3.Operations):
         for i in range(start_id, len(entries)):
             name, node = entries[i]
             if isinstance(node, int):  # a control file
-                if not pyfuse3.readdir_reply(token, name, control.attrs(node, 1), i + 1):
+                if not self.session.readdir_reply(token, name, control.attrs(node, 1), i + 1):
                     break
                 continue
             if not node.attached:
                 continue
-            if not pyfuse3.readdir_reply(token, name, self._attrs(node), i + 1):
+            if not self.session.readdir_reply(token, name, self._attrs(node), i + 1):
                 break
             node.lookups += 1
 
@@ -422,15 +430,26 @@ class KvfsOperations(pyfuse3.Operations):
             await self.objects.open_write(node, bool(flags & os.O_TRUNC))
             handle = Handle(node, writable=True, opener=process.thread_group(ctx.pid))
             return pyfuse3.FileInfo(fh=self._new_fh(handle), keep_cache=False)
-        handle = Handle(node, writable=False, reader=await self.objects.open_read(node))
+        # A chunk checked since the daemon started is read by the kernel from its backing file
+        # (--verify first-read, where the session has passthrough); a file published again in
+        # place is not: its page cache may hold another version.
+        passthrough = (
+            self.cfg.verify == "first-read"
+            and sessions.passthrough(self.session)
+            and node.verified
+            and not node.rewritten
+        )
+        handle = Handle(node, writable=False)
+        handle.reader = await self.objects.open_read(node, passthrough)
         if handle.reader is not None and node.parent is not None:
             self._count_lookup(node.parent, "hit")
+        fh = self._new_fh(handle)
+        if passthrough and handle.reader is not None:
+            return PassthroughFileInfo(fh, keep_cache=True, backing_fd=handle.reader.fd)
         # O_DIRECT needs nothing special: the kernel bypasses its cache for that file descriptor
         # and sends READs of up to 1 MiB, each answered in full from the verified buffer. A file
         # published again in place is read past the page cache, which holds one version only.
-        return pyfuse3.FileInfo(
-            fh=self._new_fh(handle), keep_cache=not node.rewritten, direct_io=node.rewritten
-        )
+        return pyfuse3.FileInfo(fh=fh, keep_cache=not node.rewritten, direct_io=node.rewritten)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         if fh in self._control:

@@ -95,10 +95,17 @@ def wait_gone(pid: int, timeout: float = 30) -> None:
     raise AssertionError(f"process {pid} still running after {timeout}s")
 
 
+# The mount tests run once per FUSE session: `make test` runs them again with
+# KVFS_TEST_SESSION=kernel (kvfs's own /dev/fuse session) after the default run.
+SESSION_OPTIONS = (
+    ("--session", os.environ["KVFS_TEST_SESSION"]) if "KVFS_TEST_SESSION" in os.environ else ()
+)
+
+
 def make_mount(tmp: Path, *options: str) -> Mount:
     (tmp / "mnt").mkdir()
     (tmp / "backing").mkdir()
-    return Mount(tmp / "mnt", tmp / "backing", options)
+    return Mount(tmp / "mnt", tmp / "backing", (*SESSION_OPTIONS, *options))
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ def test_fs_tier_round_trip_through_the_mount(kv_mount: Mount, o_direct: bool) -
         finally:
             tier2.close()
         assert np.array_equal(region.array[8:], region.array[:8])
+        kv_mount.settle()  # published at each file's last release, just after its close()
         for key, row in zip(keys, region.array[:8], strict=True):
             backing = tier.path(key).replace(str(kv_mount.path), str(kv_mount.backing), 1)
             assert Path(backing).read_bytes() == row.tobytes()

@@ -1,18 +1,22 @@
 """vLLM's fs-tier I/O pattern on the plain backing directory and through a kvfs mount, side by side.
 
     python -m tools.bench_mount [--json] [--repeats 3] [--total-mib 256] [--base DIR]
+                                [--sessions pyfuse3,kernel]
 
-For 2 MiB and 16 MiB chunks and 1, 4 and 16 threads it measures, on both targets in the same run:
+For 2 MiB and 16 MiB chunks and 1, 4 and 16 threads it measures, on every target in the same
+run (the plain directory, and a kvfs mount per FUSE session: ``pyfuse3`` serves and verifies
+every read; ``kernel`` is kvfs's own /dev/fuse session with ``--verify first-read``, where the
+kernel reads verified chunks straight from their backing files):
   store      GB/s of exists → mkdir -p → O_EXCL temp → one write → close → rename
   cold_load  GB/s of open → one readv, nothing cached (daemon restarted, page cache dropped)
   warm_load  GB/s of the same loads again, right after a first read
 and, single-threaded as vLLM's lookup thread, access(F_OK) per second on just-stored keys
 (lookup_hit) and on keys never seen (lookup_miss), the first time each name is asked and again
 (``_repeat``: the kernel then answers from its entry cache). It prints medians over the repeats
-and mount/direct ratios; ``--json`` prints one object whose ``summary`` holds the median ratio
-per measure.
+and mount/direct ratios; ``--json`` prints one object whose ``summary`` holds, per session, the
+median ratio per measure.
 
-Both targets use O_DIRECT when vLLM's probe passes there, as vLLM would (``--o-direct`` overrides).
+Every target uses O_DIRECT when vLLM's probe passes there, as vLLM would (``--o-direct`` overrides).
 Run as root (it drops the page cache and mounts).
 """
 
@@ -33,6 +37,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from tools import vllm_io
 
@@ -58,8 +63,10 @@ def drop_caches() -> None:
 class Target:
     """Where the chunks go: the plain directory, or a kvfs mount over a backing directory."""
 
-    def __init__(self, name: str, root: Path, backing: Path | None = None) -> None:
-        self.name, self.root, self.backing = name, root, backing
+    def __init__(
+        self, name: str, root: Path, backing: Path | None = None, options: tuple[str, ...] = ()
+    ) -> None:
+        self.name, self.root, self.backing, self.options = name, root, backing, options
         root.mkdir(parents=True, exist_ok=True)
         if backing is not None:
             backing.mkdir(parents=True, exist_ok=True)
@@ -67,7 +74,7 @@ class Target:
 
     def mount(self) -> None:
         subprocess.run(
-            [*KVFS, "mount", str(self.root), "--backing", str(self.backing)],
+            [*KVFS, "mount", str(self.root), "--backing", str(self.backing), *self.options],
             check=True,
             capture_output=True,
         )
@@ -152,12 +159,18 @@ def main() -> int:
     parser.add_argument("--lookups", type=int, default=4000, help="keys per lookup measurement")
     parser.add_argument("--o-direct", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--base", type=Path, help="working directory (default: a temp dir)")
+    parser.add_argument(
+        "--sessions", default="pyfuse3,kernel", help="kvfs sessions to measure (comma-separated)"
+    )
     args = parser.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="kvfs-bench-", dir=args.base))
     direct = Target("direct", base / "direct")
-    mount = Target("kvfs", base / "mnt", backing=base / "backing")
-    targets = (direct, mount)
+    mounts = [
+        Target(session, base / f"mnt-{session}", base / f"backing-{session}", SESSIONS[session])
+        for session in args.sessions.split(",")
+    ]
+    targets = (direct, *mounts)
     rows: list[dict[str, object]] = []
     try:
         modes = {}
@@ -193,7 +206,8 @@ def main() -> int:
                 )
                 t.clear()
     finally:
-        mount.unmount()
+        for mount in mounts:
+            mount.unmount()
         shutil.rmtree(base, ignore_errors=True)
 
     report = summarise(rows, modes)
@@ -204,12 +218,19 @@ def main() -> int:
     return 0
 
 
+# How each session is mounted: pyfuse3 as today; kvfs's own session with passthrough reads.
+SESSIONS = {
+    "pyfuse3": ("--session", "pyfuse3"),
+    "kernel": ("--session", "kernel", "--verify", "first-read"),
+}
+
+
 def log(message: str, quiet: bool) -> None:
     print(message, file=sys.stderr if quiet else sys.stdout, flush=True)
 
 
 def summarise(rows: list[dict[str, object]], modes: dict[str, bool]) -> dict[str, object]:
-    """Medians per (measure, size, threads) and target, and the mount/direct ratio of each."""
+    """Medians per (measure, size, threads) and target, and each session's ratio to direct."""
     cells: dict[tuple[str, object, object], dict[str, float]] = {}
     for measure in MEASURES:
         groups: dict[tuple[object, object, str], list[float]] = {}
@@ -219,40 +240,55 @@ def summarise(rows: list[dict[str, object]], modes: dict[str, bool]) -> dict[str
                 groups.setdefault(key, []).append(float(row[measure]))  # type: ignore[arg-type]
         for (size, threads, target), values in groups.items():
             cells.setdefault((measure, size, threads), {})[target] = statistics.median(values)
+    sessions = sorted({str(row["target"]) for row in rows} - {"direct"})
     results = []
     for (measure, size, threads), by_target in cells.items():
-        results.append(
-            {
-                "measure": measure,
-                "size_mib": size,
-                "threads": threads,
-                "direct": by_target["direct"],
-                "kvfs": by_target["kvfs"],
-                "ratio": by_target["kvfs"] / by_target["direct"],
-            }
-        )
+        for session in sessions:
+            results.append(
+                {
+                    "measure": measure,
+                    "size_mib": size,
+                    "threads": threads,
+                    "session": session,
+                    "direct": by_target["direct"],
+                    "kvfs": by_target[session],
+                    "ratio": by_target[session] / by_target["direct"],
+                }
+            )
     summary = {
-        m: statistics.median(r["ratio"] for r in results if r["measure"] == m) for m in MEASURES
+        session: {
+            m: statistics.median(
+                r["ratio"] for r in results if r["measure"] == m and r["session"] == session
+            )
+            for m in MEASURES
+        }
+        for session in sessions
     }
     return {
         "o_direct": modes,
+        "sessions": {session: list(SESSIONS[session]) for session in sessions},
         "results": results,
         "summary": summary,
         "units": {m: "GB/s" if "load" in m or m == "store" else "lookups/s" for m in MEASURES},
     }
 
 
-def print_table(report: dict[str, object]) -> None:
+def print_table(report: dict[str, Any]) -> None:
     print(f"O_DIRECT used: {report['o_direct']}")
-    print(f"{'measure':<12}{'chunk':>7}{'threads':>9}{'direct':>12}{'kvfs':>12}{'kvfs/direct':>13}")
-    for r in report["results"]:  # type: ignore[attr-defined]
+    header = f"{'measure':<12}{'chunk':>7}{'threads':>9}{'session':>9}{'direct':>10}{'kvfs':>10}"
+    print(header + f"{'kvfs/direct':>13}")
+    for r in report["results"]:
         chunk = f"{r['size_mib']} MiB" if r["size_mib"] else "-"
         threads = r["threads"] or 1
         print(
-            f"{r['measure']:<12}{chunk:>7}{threads:>9}{r['direct']:>12.3f}{r['kvfs']:>12.3f}"
-            f"{r['ratio']:>13.2f}"
+            f"{r['measure']:<12}{chunk:>7}{threads:>9}{r['session']:>9}{r['direct']:>10.3f}"
+            f"{r['kvfs']:>10.3f}{r['ratio']:>13.2f}"
         )
-    print("median kvfs/direct: " + ", ".join(f"{m} {v:.2f}" for m, v in report["summary"].items()))  # type: ignore[attr-defined]
+    for session, ratios in report["summary"].items():
+        print(
+            f"median kvfs/direct, {session}: "
+            + ", ".join(f"{m} {v:.2f}" for m, v in ratios.items())
+        )
 
 
 if __name__ == "__main__":

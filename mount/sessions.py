@@ -1,0 +1,68 @@
+"""Which FUSE session serves a mount: pyfuse3 (libfuse) or kvfs's own kernel session.
+
+Both drive the same operations and object layer. The kernel session speaks the protocol on
+/dev/fuse itself, so it can ask for FUSE_PASSTHROUGH: published chunks are then read by the
+kernel straight from their backing files. That is only worth it where the daemon need not see
+every read (``--verify first-read``), and only safe where the backing store cannot hang: a
+passthrough read of a hung NFS server hangs in the kernel, past any deadline the daemon keeps.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyfuse3
+
+from kvfs.config import MountConfig
+from kvfs.mount.kernel_session import FuseSession, KernelSession
+
+# Backing filesystems whose reads can stall indefinitely (a server or a daemon behind them).
+NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "ceph", "glusterfs", "9p", "lustre", "afs")
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem holding ``path`` (the longest mount point above it)."""
+    best, kind = "", "unknown"
+    target = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            point = fields[4].encode().decode("unicode_escape")
+            inside = target == point or target.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best):
+                best, kind = point, fields[fields.index("-") + 1]
+    return kind
+
+
+def choose(cfg: MountConfig) -> tuple[FuseSession, str]:
+    """The session for ``cfg``, and why (for the log)."""
+    if cfg.session == "pyfuse3":
+        return pyfuse3, "asked for"
+    if cfg.session == "kernel":
+        return KernelSession(), "asked for"
+    if cfg.verify == "every-read":
+        return pyfuse3, "--verify every-read: the daemon serves every read, none passes through"
+    if os.geteuid() != 0:
+        return pyfuse3, "not root: a /dev/fuse mount and passthrough need CAP_SYS_ADMIN"
+    kind = filesystem_type(cfg.backing)
+    if kind in NETWORK_FILESYSTEMS or kind.startswith("fuse"):
+        return pyfuse3, f"backing store on {kind}: a passthrough read could hang past any deadline"
+    return KernelSession(), f"root, backing store on {kind}"
+
+
+def name(session: FuseSession) -> str:
+    return "kernel" if isinstance(session, KernelSession) else "pyfuse3"
+
+
+def passthrough(session: FuseSession) -> bool:
+    """Whether the kernel granted this session passthrough (known once it is mounted)."""
+    return isinstance(session, KernelSession) and session.passthrough
+
+
+def describe(session: FuseSession, cfg: MountConfig) -> str:
+    if cfg.verify == "first-read" and passthrough(session):
+        return "reads pass through to the backing files once a chunk is verified"
+    if cfg.verify == "first-read":
+        return "reads served by the daemon (no passthrough from this kernel or session)"
+    return "every read served by the daemon and verified"
