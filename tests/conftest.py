@@ -80,6 +80,23 @@ def force_unmount(path: Path) -> None:
         subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
 
 
+NOBODY = 65534  # an unprivileged user every Debian has
+
+
+def as_nobody(*command: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` as user and group nobody, no supplementary groups."""
+    return subprocess.run(
+        command,
+        cwd=cwd,
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

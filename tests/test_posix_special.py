@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, kvfs, make_mount
+from tests.conftest import NOBODY, Mount, as_nobody, kvfs, make_mount
 from tools import vllm_io
 
 # Run once in a plain ext4 directory and once in the mount: the outputs must be the same.
@@ -115,22 +115,6 @@ def shared_mount(tmp_path: Path) -> Iterator[Mount]:
         mount.stop()
 
 
-NOBODY = 65534
-
-
-def as_nobody(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["python3", "-c", code],
-        cwd=cwd,
-        user=NOBODY,
-        group=NOBODY,
-        extra_groups=[],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-
-
 def errno_of(code: str, cwd: Path) -> str:
     """Run ``code`` as nobody; the errno name it failed with, or "ok"."""
     wrapped = (
@@ -138,7 +122,7 @@ def errno_of(code: str, cwd: Path) -> str:
         f"try:\n    {code}\n    print('ok')\n"
         "except OSError as e:\n    print(errno.errorcode[e.errno])\n"
     )
-    done = as_nobody(wrapped, cwd)
+    done = as_nobody("python3", "-c", wrapped, cwd=cwd)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 

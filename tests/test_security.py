@@ -6,7 +6,6 @@ import ipaddress
 import os
 import shutil
 import stat
-import subprocess
 import tempfile
 import time
 import uuid
@@ -18,11 +17,10 @@ import pytest
 from kvfs import mountctl
 from kvfs.config import ConfigError, MountConfig, daemon_log, parse_umask
 from kvfs.host_region import _HEADER, _MAGIC, HEADER_BYTES, HostRegion, RegionError, region_path
-from tests.conftest import Mount, free_port, kvfs, make_mount
+from tests.conftest import NOBODY, Mount, as_nobody, free_port, kvfs, make_mount
 
 SLOT = 8192
 PRINT = "fingerprint-a"
-NOBODY = 65534
 ROOT = Path(__file__).resolve().parent.parent
 
 # -- D11: the host region never follows, truncates or adopts a file it did not create ----------
@@ -238,18 +236,6 @@ def public_dir() -> Iterator[Path]:
     base.chmod(0o755)
     yield base
     shutil.rmtree(base, ignore_errors=True)
-
-
-def as_nobody(*command: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        command,
-        user=NOBODY,
-        group=NOBODY,
-        extra_groups=[],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
 
 
 def fuse_super_options(mnt: Path) -> set[str]:
