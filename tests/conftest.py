@@ -57,6 +57,12 @@ class Mount:
             assert time.monotonic() < deadline, "files still unpublished"
             time.sleep(0.005)
 
+    def on_backing(self, path: str | Path) -> Path:
+        """Where ``path`` (under the mount) lies in the backing directory, once every file
+        written through the mount is published there."""
+        self.settle()
+        return self.backing / Path(path).relative_to(self.path)
+
     def restart(self) -> None:
         self.stop()
         self.start()

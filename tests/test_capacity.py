@@ -63,13 +63,7 @@ def test_filling_past_capacity_evicts_the_least_recently_read_and_keeps_pinned(
         du = subprocess.run(["du", "-sb", str(small_mount.path)], capture_output=True, text=True)
         assert int(du.stdout.split()[0]) <= CAPACITY
     survivors = stored(small_mount, range(40))
-    backing = [
-        k
-        for k in range(40)
-        if os.path.exists(
-            path(small_mount, k).replace(str(small_mount.path), str(small_mount.backing), 1)
-        )
-    ]
+    backing = [k for k in range(40) if small_mount.on_backing(path(small_mount, k)).exists()]
     assert survivors == backing  # evicted names left the kernel's caches at once
     assert {0, 1, 2} <= set(survivors)  # recently read and pinned stay
     others = [k for k in survivors if k > 2]
@@ -89,9 +83,7 @@ def test_chunks_deleted_around_the_mount_do_not_stop_eviction(small_mount: Mount
     for key in range(8):
         store(small_mount, key)
     for key in range(4):  # gone from the backing directory behind the daemon's back
-        os.unlink(
-            path(small_mount, key).replace(str(small_mount.path), str(small_mount.backing), 1)
-        )
+        small_mount.on_backing(path(small_mount, key)).unlink()
     for key in range(8, 40):
         store(small_mount, key)
     assert used(small_mount) <= CAPACITY

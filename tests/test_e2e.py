@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,7 +44,9 @@ def test_e2e_tiny_model_serves_every_tier_with_identical_logits() -> None:
     assert result["tokens_recomputed"] == result["tokens_new"], "a stored prefix was recomputed"
 
 
-def serve_twice_with_corruption(root: Path, backing: Path) -> tuple[bool, int]:
+def serve_twice_with_corruption(
+    root: Path, backing: Path, settle: Callable[[], None] = lambda: None
+) -> tuple[bool, int]:
     """Serve a conversation's first turn, flip a byte in every stored chunk file (in the
     backing store), drop the host tier, serve the second turn: (logits identical to a full
     recompute, tokens that came from the fs tier)."""
@@ -60,6 +63,7 @@ def serve_twice_with_corruption(root: Path, backing: Path) -> tuple[bool, int]:
         first = [rng.randrange(512) for _ in range(160)]
         engine.serve("t0", first)
         engine.drain()
+        settle()  # every chunk published where the flips below can find it
         for path in backing.rglob("*.bin"):
             data = bytearray(path.read_bytes())
             data[len(data) // 2] ^= 0x40
@@ -83,5 +87,5 @@ def test_a_corrupt_chunk_changes_the_logits_on_a_plain_directory(tmp_path: Path)
 def test_the_mount_turns_a_corrupt_chunk_into_a_recompute(kv_mount: Mount) -> None:
     root = kv_mount.path / f"corrupt-{uuid.uuid4().hex[:6]}"
     backing = kv_mount.backing / root.name
-    identical, from_fs = serve_twice_with_corruption(root, backing)
+    identical, from_fs = serve_twice_with_corruption(root, backing, kv_mount.settle)
     assert identical and from_fs == 0  # checksums failed the loads: recomputed, never served

@@ -26,19 +26,15 @@ def flip_byte(path: str, offset: int = 1000) -> None:
         os.close(fd)
 
 
-def backing_of(mount: Mount, path: str) -> str:
-    return path.replace(str(mount.path), str(mount.backing), 1)
-
-
 def test_a_flipped_byte_fails_with_eio_is_quarantined_and_then_misses(fresh_mount: Mount) -> None:
     path = vllm_io.chunk_path(str(fresh_mount.path), 1)
     vllm_io.store(path, vllm_io.chunk_bytes(1, CHUNK), o_direct=True)
-    flip_byte(backing_of(fresh_mount, path))
+    flip_byte(fresh_mount.on_backing(path))
     with pytest.raises(OSError) as err:
         vllm_io.load(path, CHUNK, o_direct=True)
     assert err.value.errno == errno.EIO
     assert not os.access(path, os.F_OK)  # the kernel forgot the name at once
-    assert not os.path.exists(backing_of(fresh_mount, path))
+    assert not os.path.exists(fresh_mount.on_backing(path))
     quarantined = list((fresh_mount.backing / ".kvfs" / "quarantine").iterdir())
     assert len(quarantined) == 1
     assert os.getxattr(fresh_mount.path, "user.kvfs.checksum_failures") == b"1"
@@ -56,7 +52,7 @@ def test_vllm_fs_tier_reports_a_failed_load_and_never_gets_the_bad_bytes(
     try:
         keys = vllm_tier.new_keys(3)
         assert tier.store(keys, [0, 1, 2]).success
-        flip_byte(backing_of(fresh_mount, tier.path(keys[1])))
+        flip_byte(fresh_mount.on_backing(tier.path(keys[1])))
         region.array[3:] = 0
         result = tier.load(keys, [3, 4, 5])
         assert not result.success
@@ -72,7 +68,7 @@ def test_kvfs_verify_on_a_mount_and_on_a_backing_directory(fresh_mount: Mount) -
     paths = [vllm_io.chunk_path(str(fresh_mount.path), k) for k in range(6)]
     for key, path in enumerate(paths):
         vllm_io.store(path, vllm_io.chunk_bytes(key, CHUNK), o_direct=True)
-    flip_byte(backing_of(fresh_mount, paths[2]))
+    flip_byte(fresh_mount.on_backing(paths[2]))
     result = kvfs("verify", "--json", str(fresh_mount.path), check=False)
     report = json.loads(result.stdout)
     assert result.returncode == 1
@@ -80,13 +76,14 @@ def test_kvfs_verify_on_a_mount_and_on_a_backing_directory(fresh_mount: Mount) -
     assert not os.access(paths[2], os.F_OK)
 
     # Unmounted: the backing directory is checked directly, with the same quarantine.
-    flip_byte(backing_of(fresh_mount, paths[4]))
+    bad = fresh_mount.on_backing(paths[4])
+    flip_byte(bad)
     fresh_mount.stop()
     refused = kvfs("verify", str(fresh_mount.path), check=False)  # the bare mountpoint
     assert refused.returncode == 1 and "neither in a kvfs mount" in refused.stderr
     result = kvfs("verify", "--json", str(fresh_mount.backing), check=False)
     report = json.loads(result.stdout)
-    assert report["files"] == 4 and report["bad"] == [backing_of(fresh_mount, paths[4])]
+    assert report["files"] == 4 and report["bad"] == [str(bad)]
     assert len(list(Path(fresh_mount.backing, ".kvfs", "quarantine").iterdir())) == 2
     fresh_mount.start()
     assert sorted(os.access(p, os.F_OK) for p in paths) == [False, False, True, True, True, True]

@@ -36,7 +36,7 @@ def test_create_write_read_and_backing_mirrors_the_tree(kv_mount: Mount, d: Path
     (d / "sub").mkdir()
     (d / "sub" / "f").write_bytes(b"x" * 10000)
     assert (d / "sub" / "f").read_bytes() == b"x" * 10000
-    backing = kv_mount.backing / d.name / "sub" / "f"
+    backing = kv_mount.on_backing(d / "sub" / "f")
     assert backing.read_bytes() == b"x" * 10000
     assert os.getxattr(backing, "user.kvfs.checksum") == os.getxattr(
         d / "sub" / "f", "user.kvfs.checksum"
@@ -97,7 +97,7 @@ def test_rename_of_directories(kv_mount: Mount, d: Path) -> None:
     (d / "x" / "y" / "f").write_bytes(b"f")
     os.rename(d / "x", d / "z")
     assert (d / "z" / "y" / "f").read_bytes() == b"f"
-    assert (kv_mount.backing / d.name / "z" / "y" / "f").read_bytes() == b"f"
+    assert kv_mount.on_backing(d / "z" / "y" / "f").read_bytes() == b"f"
     (d / "full").mkdir()
     (d / "full" / "g").write_bytes(b"g")
     with pytest.raises(OSError) as err:
@@ -148,12 +148,12 @@ def test_setattr_truncate_chmod_chown_utimens(kv_mount: Mount, d: Path) -> None:
     os.chmod(f, 0o600)
     os.chown(f, 1234, 5678)
     os.utime(f, ns=(1_000_000_000, 2_000_000_000))
-    for path in (f, kv_mount.backing / d.name / "f"):
+    for path in (f, kv_mount.on_backing(f)):
         st = os.stat(path)
         assert stat.S_IMODE(st.st_mode) == 0o600
         assert (st.st_uid, st.st_gid) == (1234, 5678)
         assert st.st_mtime_ns == 2_000_000_000
-    assert (kv_mount.backing / d.name / "f").read_bytes() == b"01!"
+    assert kv_mount.on_backing(f).read_bytes() == b"01!"
 
 
 def test_overwrite_in_place_and_append(d: Path) -> None:

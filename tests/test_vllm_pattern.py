@@ -35,8 +35,7 @@ def test_store_then_load_is_byte_exact(kv_mount: Mount, size: int, o_direct: boo
     assert not vllm_io.store(path, data, o_direct)  # exists: vLLM never rewrites
     assert vllm_io.load(path, size, o_direct) == bytes(data)
     assert vllm_io.load(path, size, not o_direct) == bytes(data)
-    backing = vllm_io.chunk_path(str(kv_mount.backing), key)
-    assert Path(backing).read_bytes() == bytes(data)
+    assert kv_mount.on_backing(path).read_bytes() == bytes(data)
     assert not [n for n in os.listdir(os.path.dirname(path)) if n.endswith(".tmp")]
 
 
