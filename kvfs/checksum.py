@@ -7,6 +7,7 @@ algorithm without misreading old files.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 
 import xxhash
@@ -17,6 +18,25 @@ PREFIX = "xxh3-64:"
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
     return PREFIX + xxhash.xxh3_64_hexdigest(data)
+
+
+def of_file(fd: int, block: int = 1 << 20) -> tuple[str, int]:
+    """The checksum of an open file's bytes as they are now, and how many there were. Reads
+    whole aligned blocks into page-aligned memory, so ``fd`` may be opened O_DIRECT."""
+    digest = xxhash.xxh3_64()
+    size = 0
+    with mmap.mmap(-1, block) as buf:
+        view = memoryview(buf)
+        try:
+            while True:
+                count = os.preadv(fd, [view], size)
+                digest.update(view[:count])
+                size += count
+                if count < block:  # the end (read on there, O_DIRECT would be unaligned)
+                    break
+        finally:
+            view.release()
+    return PREFIX + digest.hexdigest(), size
 
 
 def read_xattr(path_or_fd: bytes | int) -> str | None:

@@ -37,6 +37,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         mountpoint=args.mountpoint,
         backing=backing,
         write_buffer_bytes=parse_size(args.write_buffer, "--write-buffer"),
+        scrub_bytes_per_second=parse_size(args.scrub_rate, "--scrub-rate"),
         io_timeout=args.io_timeout,
         capacity=args.capacity,
         eviction=args.eviction,
@@ -63,6 +64,7 @@ def daemon_options(cfg: MountConfig, args: argparse.Namespace) -> list[str]:
     """The daemon's arguments for a validated config, each one token (``--key=value``)."""
     return [
         f"--write-buffer={cfg.write_buffer_bytes}",
+        f"--scrub-rate={cfg.scrub_bytes_per_second}",
         f"--io-timeout={args.io_timeout}",
         f"--capacity={cfg.capacity}",
         f"--eviction={cfg.eviction}",
@@ -168,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--write-buffer",
         default="1G",
         help="memory for files being written; writers wait beyond it (default 1G)",
+    )
+    mount.add_argument(
+        "--scrub-rate",
+        default="16M",
+        help="bytes per second the background scrub re-reads and checks, with K/M/G "
+        "(default %(default)s; 0 turns it off); it quarantines what fails its checksum",
     )
     mount.add_argument(
         "--io-timeout",

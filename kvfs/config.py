@@ -140,6 +140,9 @@ class MountConfig:
     # verified once (at its publish, or its first read), then read in passthrough where the
     # session has it.
     verify: str = "every-read"
+    # The background scrub re-reads every published file at this many bytes per second and
+    # quarantines what fails its checksum (0: off); it is what checks chunks read in passthrough.
+    scrub_bytes_per_second: int = 16 << 20
     # How long the kernel may cache names, misses and attributes. Safe to make long: every
     # change goes through the daemon, which invalidates what it changes behind the kernel.
     cache_timeout: float = 3600.0
@@ -152,6 +155,8 @@ class MountConfig:
                 raise ConfigError(f"{key}: must be between 1 and 256")
         if not 0 < self.io_timeout < 1e6:
             raise ConfigError("io_timeout: must be a positive number of seconds")
+        if self.scrub_bytes_per_second < 0:
+            raise ConfigError("scrub_bytes_per_second: must be zero (off) or more")
         if self.cache_timeout < 0:
             raise ConfigError("cache_timeout: must be zero or more seconds")
         parse_capacity(self.capacity, 1 << 40)  # the syntax; the daemon resolves percentages

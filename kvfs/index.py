@@ -48,6 +48,7 @@ class Node:
         "on_backing",
         "open_count",
         "parent",
+        "passthrough_opens",
         "pinned",
         "rdev",
         "rewritten",
@@ -95,6 +96,7 @@ class Node:
         self.rdev = 0  # a device node's device
         self.lookups = 0  # the kernel's lookup count (see pyfuse3's forget)
         self.open_count = 0
+        self.passthrough_opens = 0  # of open_count: handles the kernel reads or writes itself
 
     @property
     def is_dir(self) -> bool:

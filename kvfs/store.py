@@ -185,6 +185,12 @@ class BackingStore:
 
     # -- data -------------------------------------------------------------------------------
 
+    def _new_tmp(self, extra_flags: int, mode: int) -> tuple[bytes, int]:
+        name = b"%d-%s.tmp" % (os.getpid(), os.urandom(8).hex().encode())
+        rel = os.path.join(layout.TMP_DIR, name)
+        flags = os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | extra_flags
+        return rel, os.open(self.abs(rel), flags, mode & 0o7777)
+
     def write_tmp(
         self,
         data: ChunkBuffer,
@@ -200,34 +206,69 @@ class BackingStore:
         copy, no page cache); ``durable`` adds an fsync. On any error nothing is left.
         """
         digest = data.checksum()
-        name = b"%d-%s.tmp" % (os.getpid(), os.urandom(8).hex().encode())
-        rel = os.path.join(layout.TMP_DIR, name)
-        path = self.abs(rel)
         direct = self.direct_io and data.size % ALIGN == 0
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
-        fd = os.open(path, flags, mode & 0o7777)
+        rel, fd = self._new_tmp(os.O_WRONLY | (os.O_DIRECT if direct else 0), mode)
         try:
             for offset, view, hole in data.segments():
                 while view and not hole:  # O_DIRECT writes of whole extents are never short
                     written = os.pwrite(fd, view, offset)
                     view, offset = view[written:], offset + written
             os.ftruncate(fd, data.size)  # holes stay holes (sparse), as on any filesystem
-            if self.xattrs and not checksum.write_xattr(fd, digest):
-                self.xattrs = False
-                log.warning("%s has no user xattrs: checksums are kept in memory only", self.root)
-            os.fchmod(fd, mode & 0o7777)
-            if (uid, gid) != (os.geteuid(), os.getegid()):
-                os.fchown(fd, uid, gid)
-            os.utime(fd, ns=times_ns)
-            if durable:
-                os.fsync(fd)
-            blocks = os.fstat(fd).st_blocks
+            blocks = self._finish(fd, digest, mode, uid, gid, times_ns, durable)
         except BaseException:
             os.close(fd)
-            os.unlink(path)
+            self.discard(rel)
             raise
         os.close(fd)
         return Published(rel, data.size, blocks, digest)
+
+    def open_tmp(self, mode: int) -> tuple[bytes, int]:
+        """A new empty file in ``.kvfs/tmp`` for the kernel to write itself (passthrough), open
+        for reading and writing; ``seal_tmp`` readies it for the rename that publishes it."""
+        return self._new_tmp(os.O_RDWR, mode)
+
+    def seal_tmp(
+        self,
+        rel: bytes,
+        fd: int,
+        mode: int,
+        uid: int,
+        gid: int,
+        times_ns: tuple[int, int],
+        durable: bool,
+    ) -> tuple[Published, tuple[int, int, int]]:
+        """Checksum a temp file as it is now and set its attributes: the file and its version
+        (size, mtime, ctime after sealing: any later write changes it)."""
+        digest, size = checksum.of_file(fd)
+        blocks = self._finish(fd, digest, mode, uid, gid, times_ns, durable)
+        return Published(rel, size, blocks, digest), self.version(fd)
+
+    @staticmethod
+    def version(fd: int) -> tuple[int, int, int]:
+        st = os.fstat(fd)
+        return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+    def _finish(
+        self,
+        fd: int,
+        digest: str,
+        mode: int,
+        uid: int,
+        gid: int,
+        times_ns: tuple[int, int],
+        durable: bool,
+    ) -> int:
+        """Checksum and attributes onto a written temp file; returns its 512-byte blocks."""
+        if self.xattrs and not checksum.write_xattr(fd, digest):
+            self.xattrs = False
+            log.warning("%s has no user xattrs: checksums are kept in memory only", self.root)
+        os.fchmod(fd, mode & 0o7777)
+        if (uid, gid) != (os.geteuid(), os.getegid()):
+            os.fchown(fd, uid, gid)
+        os.utime(fd, ns=times_ns)
+        if durable:
+            os.fsync(fd)
+        return os.fstat(fd).st_blocks
 
     def discard(self, rel: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -10,6 +10,7 @@ the backing directory's own `.kvfs/` is never shown, so this one is purely virtu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -25,6 +26,7 @@ from kvfs import namespaces
 from kvfs.index import ROOT_INO, Node
 from kvfs.io_queues import Queue
 from kvfs.mount.objects import Objects
+from kvfs.mount.scrub import ScrubStats
 
 DIR_INO = 1 << 62  # far above any inode the index hands out
 FILES = {b"usage.json": DIR_INO + 1, b"namespaces.json": DIR_INO + 2}
@@ -53,7 +55,9 @@ def render(ino: int, report: Callable[[bool], dict[str, Any]]) -> bytes:
     return json.dumps(report(walk), indent=2).encode() + b"\n"
 
 
-def report(objects: Objects, lookups: dict[int, Counter[str]], walk: bool) -> dict[str, Any]:
+def report(
+    objects: Objects, scrub: ScrubStats, lookups: dict[int, Counter[str]], walk: bool
+) -> dict[str, Any]:
     """The daemon's state for `kvfs ls`/`du`/`top` (``walk`` adds what needs every file)."""
     index, evictor = objects.index, objects.evictor
     return {
@@ -73,6 +77,7 @@ def report(objects: Objects, lookups: dict[int, Counter[str]], walk: bool) -> di
         },
         "checksum_failures": objects.checksum_failures,
         "deadline_expiries": objects.deadline_expiries,
+        "scrub": dataclasses.asdict(scrub),
         "queues": {
             q.value: {"waiting": objects.pool.depth(q), "running": objects.pool.busy[q]}
             for q in Queue
@@ -82,7 +87,9 @@ def report(objects: Objects, lookups: dict[int, Counter[str]], walk: bool) -> di
     }
 
 
-def xattrs(node: Node, objects: Objects, lookups: dict[int, Counter[str]]) -> dict[bytes, bytes]:
+def xattrs(
+    node: Node, objects: Objects, report: Callable[[bool], dict[str, Any]]
+) -> dict[bytes, bytes]:
     """A node's ``user.kvfs.*`` attributes, answered from memory (the kernel never caches
     xattrs): its pin; a namespace's model and totals; a file's checksum and reads; the root's
     daemon-wide figures."""
@@ -102,7 +109,7 @@ def xattrs(node: Node, objects: Objects, lookups: dict[int, Counter[str]]) -> di
             stamp = datetime.fromtimestamp(node.last_read_ns / 1e9, UTC)
             values[b"user.kvfs.last_read"] = stamp.isoformat(timespec="milliseconds").encode()
     if node.ino == ROOT_INO:
-        state = report(objects, lookups, walk=False)
+        state = report(False)
         values[b"user.kvfs.backing"] = objects.store.root
         for key in ("pid", "capacity", "used", "checksum_failures", "deadline_expiries"):
             values[b"user.kvfs." + key.encode()] = b"%d" % state[key]

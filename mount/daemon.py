@@ -153,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ready-fd", type=int)
     parser.add_argument("--write-buffer", type=int, default=MountConfig.write_buffer_bytes)
     parser.add_argument("--io-timeout", type=float, default=MountConfig.io_timeout)
+    parser.add_argument("--scrub-rate", type=int, default=MountConfig.scrub_bytes_per_second)
     parser.add_argument("--cache-timeout", type=float, default=MountConfig.cache_timeout)
     parser.add_argument("--capacity", default=MountConfig.capacity)
     parser.add_argument("--eviction", default=MountConfig.eviction)
@@ -174,6 +175,7 @@ def config_from(args: argparse.Namespace) -> MountConfig:
         backing=args.backing.resolve(),
         write_buffer_bytes=args.write_buffer,
         io_timeout=args.io_timeout,
+        scrub_bytes_per_second=args.scrub_rate,
         cache_timeout=args.cache_timeout,
         capacity=args.capacity,
         eviction=args.eviction,

@@ -137,6 +137,15 @@ class _SnapshotCollector:
             "Requests failed with EIO after --io-timeout",
             s["deadline_expiries"],
         )
+        scrub = s["scrub"]
+        yield _counter("kvfs_scrub_files", "Files the background scrub checked", scrub["files"])
+        yield _counter("kvfs_scrub_bytes", "Bytes the background scrub checked", scrub["bytes"])
+        yield _counter("kvfs_scrub_passes", "Complete passes of the scrub", scrub["passes"])
+        yield _counter(
+            "kvfs_scrub_failures",
+            "Files the scrub found corrupt (each was quarantined)",
+            scrub["failures"],
+        )
         depth = GaugeMetricFamily(
             "kvfs_queue_depth", "Backing-store jobs waiting, per queue", labels=["queue"]
         )

@@ -4,11 +4,12 @@ A file is an object. Writing one: ``create`` or ``open_write``, then ``write``s 
 buffer (bounded by ``write_buffer_bytes``, holes taking none; no file may be larger than it),
 ``close_write`` at each FLUSH (the buffer goes to a temp file with its checksum, where errors
 still reach the writer's close()), and ``release_writer`` at the last release (the temp file is
-renamed into place: the publish). A file is published once, as a successful close left it:
-never after a failed write, never by a writer killed with it open. Reading one: ``open_read``
-opens the exact version the index describes, ``load`` reads it whole and verifies it against
-that version's checksum; a mismatch quarantines it. A name goes by ``unlink``/``rename`` or, to
-make room, by ``evict``.
+renamed into place: the publish). A file created ``passthrough`` has no buffer: the kernel
+writes its temp file itself, and ``close_write`` checksums what it finds there. A file is
+published once, as a successful close left it: never after a failed write, never by a writer
+killed with it open. Reading one: ``open_read`` opens the exact version the index describes,
+``load`` reads it whole and verifies it against that version's checksum; a mismatch quarantines
+it. A name goes by ``unlink``/``rename`` or, to make room, by ``evict``.
 
 What appears and vanishes is told to one ``Listener`` (KV events, the kernel's caches); errors
 are OSErrors with the errno the client should see. No call waits on the backing store, on
@@ -30,11 +31,11 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import trio
 
-from kvfs import layout, namespaces, process
+from kvfs import checksum, layout, namespaces, process
 from kvfs.buffers import EXTENT, ChunkBuffer, ExtentPool, extents_for
 from kvfs.checksum import ChecksumMismatch
 from kvfs.config import MountConfig
@@ -55,6 +56,13 @@ Attrs = tuple[int, int, int, tuple[int, int]]  # mode, uid, gid, (atime, mtime)
 
 def fail(code: int) -> OSError:
     return OSError(code, os.strerror(code))
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
 
 
 class Listener(Protocol):
@@ -84,18 +92,27 @@ class Prepared:
     """A file's bytes written to ``.kvfs/tmp`` at close, waiting for the last release."""
 
     published: Published
-    generation: int  # of the buffer these bytes are
+    version: Any  # of the file these bytes are (``Objects._version``)
     attrs: Attrs  # mode, owner and times they were written with
     held: int  # capacity reserved for them
     durable: bool
 
 
+@dataclass(frozen=True)
+class TmpFile:
+    """The temp backing file the kernel writes a passthrough file into (``fd`` read-write)."""
+
+    rel: bytes
+    fd: int
+
+
 @dataclass
 class WriteState:
     """The buffer of a file that is open for writing; ``lock`` keeps writes out while it is
-    written to the backing store."""
+    written to the backing store. A passthrough file has an empty buffer and its ``file``."""
 
     buffer: ChunkBuffer
+    file: TmpFile | None = None
     dirty: bool = False  # differs from the published version
     writers: int = 0
     lock: trio.Lock = field(default_factory=trio.Lock)
@@ -377,6 +394,9 @@ class Objects:
                     node.ctime_ns = st.st_ctime_ns
                 else:  # its publish writes what the node says
                     node.ctime_ns = time.time_ns()
+                    fd = self.passthrough_fd(node)
+                    if times is not None and fd is not None:  # the kernel writes its mtime
+                        await self.io.read(partial(os.utime, fd, ns=times))
                 if mode is not None:
                     node.mode = mode
                 if owner is not None:
@@ -400,10 +420,17 @@ class Objects:
     # -- writing ----------------------------------------------------------------------------
 
     async def create(
-        self, parent: Node, name: bytes, mode: int, owner: tuple[int, int], exclusive: bool
+        self,
+        parent: Node,
+        name: bytes,
+        mode: int,
+        owner: tuple[int, int],
+        exclusive: bool,
+        passthrough: bool = False,
     ) -> tuple[Node, bool]:
         """A new empty file open for writing (visible at once, published at its last release),
-        or the existing one, not opened; True if it was created."""
+        or the existing one, not opened; True if it was created. ``passthrough``: the kernel
+        writes it into its temp file (``passthrough_fd``), not the daemon into a buffer."""
 
         async def op() -> tuple[Node, bool]:
             # Under the lock: mkdir/rename/rmdir check a name, await the disk, then change the
@@ -416,10 +443,13 @@ class Objects:
                     return existing, False
                 if not parent.attached:
                     raise fail(errno.ENOENT)
+                ws = WriteState(ChunkBuffer(self.extents), writers=1)
+                if passthrough:
+                    ws.file = TmpFile(*await self.io.read(self.store.open_tmp, mode))
                 node = self.index.new_node(name, stat.S_IFREG | mode, *owner)
                 node.atime_ns = node.mtime_ns = node.ctime_ns = time.time_ns()
                 self.index.attach(parent, name, node)
-                ws = self.writes[node.ino] = WriteState(ChunkBuffer(self.extents), writers=1)
+                self.writes[node.ino] = ws
                 ws.changed()
                 return node, True
 
@@ -465,6 +495,11 @@ class Objects:
         ws = self.writes[node.ino]
         if ws.failed is not None:
             raise fail(ws.failed)
+        if ws.file is not None:  # a passthrough file's write the kernel sent us after all
+            await self.bounded(partial(self._on_tmp, ws.file, _pwrite_all, data, offset))
+            ws.changed()
+            node.mtime_ns = node.ctime_ns = time.time_ns()
+            return
         async with ws.lock:
             try:
                 await self._reserve(ws, offset, offset + len(data))
@@ -566,25 +601,43 @@ class Objects:
             await self._prepare_locked(node, ws, durable)
 
     async def _prepare_locked(self, node: Node, ws: WriteState, durable: bool) -> None:
-        """Write the buffer to a temp file, with room reserved for it, unless done already."""
-        current = ws.prepared
+        """Write the buffer to a temp file (or seal the passthrough one), with room reserved
+        for it, unless done already."""
+        current, version = ws.prepared, await self._version(ws)
         if current is not None:
-            if current.generation == ws.generation and (current.durable or not durable):
+            if current.version == version and (current.durable or not durable):
                 return
             ws.prepared = None
-            self._discard(current)
-        held = await self.evictor.reserve(ws.buffer.size)
+            self._discard(ws, current)
+        if ws.file is not None:  # the kernel's writes set the file's mtime (and utimens too)
+            node.mtime_ns = version[1]
         attrs = self._file_attrs(node)
+        held = await self.evictor.reserve(ws.buffer.size if ws.file is None else version[0])
         try:
-            published = await self._write_tmp(ws.buffer, attrs, durable)
+            if ws.file is None:
+                published = await self._write_tmp(ws.buffer, attrs, durable)
+            else:  # checksummed as it is now; sealing changes its ctime: the version after
+                mode, uid, gid, times = attrs
+                published, version = await self.io.write(
+                    self.store.seal_tmp, ws.file.rel, ws.file.fd, mode, uid, gid, times, durable
+                )
         except BaseException:
             self.evictor.release(held)
             raise
-        ws.prepared = Prepared(published, ws.generation, attrs, held, durable)
+        ws.prepared = Prepared(published, version, attrs, held, durable)
 
-    def _discard(self, prepared: Prepared) -> None:
+    async def _version(self, ws: WriteState) -> Any:
+        """What identifies the file's current bytes: the buffer's generation, or the size and
+        times of a passthrough file (the kernel writes it without telling us)."""
+        if ws.file is None:
+            return ws.generation
+        return await self.io.read(self.store.version, ws.file.fd)
+
+    def _discard(self, ws: WriteState, prepared: Prepared) -> None:
+        """Let prepared bytes go (a passthrough file's temp file stays: its writers have it)."""
         self.evictor.release(prepared.held)
-        self.io.submit(Queue.WRITE, self.store.discard, prepared.published.tmp)
+        if ws.file is None:
+            self.io.submit(Queue.WRITE, self.store.discard, prepared.published.tmp)
 
     async def _publish(self, node: Node, ws: WriteState) -> None:
         """Rename the prepared bytes into place if they are the file as its last close left
@@ -592,16 +645,16 @@ class Objects:
         prepared, ws.prepared = ws.prepared, None
         if not ws.dirty:
             if prepared is not None:
-                self._discard(prepared)
+                self._discard(ws, prepared)
             return
         if ws.failed is not None or ws.abandoned or prepared is None:
             why = "a write failed" if ws.failed is not None else "its writer did not close it"
             log.info("inode %d not published: %s", node.ino, why)
             if prepared is not None:
-                self._discard(prepared)
+                self._discard(ws, prepared)
             return
-        if prepared.generation != ws.generation:  # changed after its close (shared mmap)
-            self._discard(prepared)
+        if prepared.version != await self._version(ws):  # changed after its close (mmap)
+            self._discard(ws, prepared)
             log.info("inode %d not published: changed after its last close", node.ino)
             return
         try:
@@ -621,14 +674,13 @@ class Objects:
         pub = prepared.published
         async with self._ns:
             if not node.attached:  # unlinked while open: the bytes have no name to take
-                self.io.submit(Queue.WRITE, self.store.discard, pub.tmp)
-                ws.dirty = False
+                self._discard(ws, prepared)
                 return False
             rel = self.index.path(node)
             try:
                 await self.io.read(self.store.rename, pub.tmp, rel)
             except BaseException:
-                self.io.submit(Queue.WRITE, self.store.discard, pub.tmp)
+                self._discard(ws, prepared)
                 raise
             attrs = self._file_attrs(node)
             if attrs != prepared.attrs:  # chmod, chown, touch after its close
@@ -640,12 +692,12 @@ class Objects:
             node.on_backing = True
             node.rewritten = node.rewritten or rewritten
             node.checksum = pub.checksum
-            node.verified = True  # written by this daemon, checksummed from its own buffer
+            node.verified = True  # checksummed by this daemon as it published
             if not node.hits:  # never read: as recent as its write (what a restart sees)
                 node.last_read_ns = node.mtime_ns
             if namespaces.is_namespace_config(node) and node.parent is not None:
-                config = ws.buffer.read(0, namespaces.CONFIG_MAX_BYTES + 1)
-                node.parent.meta = namespaces.parse_config(bytes(config))
+                config = await self._read_unpublished(ws, 0, namespaces.CONFIG_MAX_BYTES + 1)
+                node.parent.meta = namespaces.parse_config(config)
             self.index.set_published(node, pub.size, pub.blocks)
             ws.dirty = False
             self.counters["publishes"] += 1
@@ -680,7 +732,7 @@ class Objects:
                 if self.writes.get(node.ino) is ws:  # not let go while we waited
                     # Open for writing: the writers' close publishes the new size; if they
                     # all closed already, nobody will after this truncate: it completes the file.
-                    self._truncate_buffer(node, ws, size)
+                    await self._truncate_locked(node, ws, size)
                     if ws.prepared is not None:
                         await self._prepare_locked(node, ws, durable=False)
                     return
@@ -691,16 +743,19 @@ class Objects:
         ws = self.writes[node.ino]
         try:
             async with ws.lock:
-                self._truncate_buffer(node, ws, size)
+                await self._truncate_locked(node, ws, size)
                 await self._prepare_locked(node, ws, durable=False)
         finally:
             await self._release_writer(node, ws)
 
-    def _truncate_buffer(self, node: Node, ws: WriteState, size: int) -> None:
+    async def _truncate_locked(self, node: Node, ws: WriteState, size: int) -> None:
         if ws.failed is not None:
             raise fail(ws.failed)
-        self._check_size(size)  # growing adds a hole: no memory to reserve
-        self._resize(ws, size)
+        if ws.file is not None:
+            await self.io.write(os.ftruncate, ws.file.fd, size)
+        else:
+            self._check_size(size)  # growing adds a hole: no memory to reserve
+            self._resize(ws, size)
         ws.changed()
         node.mtime_ns = node.ctime_ns = time.time_ns()
 
@@ -717,8 +772,12 @@ class Objects:
     def _drop_write_state(self, node: Node) -> Node | None:
         ws = self.writes.pop(node.ino)
         if ws.prepared is not None:
-            self._discard(ws.prepared)
+            self._discard(ws, ws.prepared)
             ws.prepared = None
+        if ws.file is not None:
+            self.close_later(ws.file.fd)
+            if ws.dirty:  # never published: its temp file goes
+                self.io.submit(Queue.WRITE, self.store.discard, ws.file.rel)
         self.budget.release(ws.buffer.capacity)
         ws.buffer.release()
         self.listener.attributes_changed(node)
@@ -731,14 +790,41 @@ class Objects:
         self.listener.name_gone(parent, node.name, node)
         return parent
 
-    def being_written(self, node: Node) -> ChunkBuffer | None:
-        """The buffer of a file open for writing (what its readers see until it is published)."""
+    async def read_unpublished(self, node: Node, offset: int, size: int) -> bytes | None:
+        """Bytes of a file open for writing (what its readers see until it is published), or
+        None if it is not."""
         ws = self.writes.get(node.ino)
-        return ws.buffer if ws is not None else None
+        if ws is None:
+            return None
+        return await self._read_unpublished(ws, offset, size)
+
+    async def _read_unpublished(self, ws: WriteState, offset: int, size: int) -> bytes:
+        if ws.file is None:  # a copy, now: the buffer may change, or go, at the next await
+            return bytes(ws.buffer.read(offset, size))
+        return await self.bounded(partial(self._on_tmp, ws.file, os.pread, size, offset))
+
+    async def _on_tmp(self, file: TmpFile, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(fd, *args)`` on the I/O pool with a descriptor of its own: the write state
+        may close ``file.fd`` (and the number be reused) while this waits."""
+        fd = os.dup(file.fd)
+        try:
+            return await self.io.write(fn, fd, *args)
+        finally:
+            self.close_later(fd)
+
+    def passthrough_fd(self, node: Node) -> int | None:
+        """The temp file the kernel writes a passthrough file into, while it is written: every
+        open of the file must pass through to it."""
+        ws = self.writes.get(node.ino)
+        return ws.file.fd if ws is not None and ws.file is not None else None
 
     def size(self, node: Node) -> tuple[int, int]:
-        """Size and 512-byte blocks to show: the buffer's while it differs from the published."""
+        """Size and 512-byte blocks to show: the buffer's while it differs from the published,
+        a passthrough file's own (an fstat, which reads the inode in memory: no disk I/O)."""
         ws = self.writes.get(node.ino)
+        if ws is not None and ws.file is not None:
+            st = os.fstat(ws.file.fd)
+            return st.st_size, st.st_blocks
         if ws is not None and (ws.dirty or not node.on_backing):
             return ws.buffer.size, math.ceil(ws.buffer.size / 512)
         return node.size, node.blocks
@@ -801,15 +887,36 @@ class Objects:
             if node.checksum == expected:  # the version the tree serves is bad
                 await self._quarantine(node, str(err))
             raise
+        self._checked(node, expected, data.checksum())
+        return data
+
+    def _checked(self, node: Node, expected: str | None, digest: str) -> None:
+        """A version of the node read whole matched ``expected`` (or had no checksum)."""
         if expected is None and node.checksum is None:  # written around the mount: adopt it
-            node.checksum = data.checksum()
+            node.checksum = digest
             if node.attached:
-                self.io.submit(
-                    Queue.WRITE, self.store.store_checksum, self.index.path(node), node.checksum
-                )
+                rel = self.index.path(node)
+                self.io.submit(Queue.WRITE, self.store.store_checksum, rel, digest)
         if node.checksum == (expected or node.checksum):  # the version the tree serves
             node.verified = True
-        return data
+
+    async def recheck(self, node: Node) -> tuple[int, bool] | None:
+        """Read a published file again, past the page cache where the store allows, and check
+        it (the scrub; no read is counted): its size and whether it matched. A mismatch
+        quarantines it. None if there is nothing to check (gone, or being written)."""
+        if not node.attached or not node.on_backing or node.ino in self.writes:
+            return None
+        reader = await self._open_backing(node)
+        try:
+            digest, size = await self.io.read(checksum.of_file, reader.fd)
+        finally:
+            self.close_later(reader.fd)
+        if reader.checksum is not None and digest != reader.checksum:
+            if node.checksum == reader.checksum:  # the version the tree serves is bad
+                await self._quarantine(node, f"scrub: checksum {digest} != {reader.checksum}")
+            return size, False
+        self._checked(node, reader.checksum, digest)
+        return size, True
 
     # -- removal ----------------------------------------------------------------------------
 

@@ -8,6 +8,8 @@ the kernel's caches. Whatever a handler raises fails that request only (``contai
 Errno choices:
   ENOENT        a name that is not in the index (misses are also cached by the kernel)
   ESTALE        an open of a node evicted or quarantined after the kernel resolved its name
+  ETXTBSY       an open for writing of a published file that readers have open in passthrough
+                (the kernel allows no served handle beside them)
   EEXIST        create/mkdir/link/symlink/mknod of an existing name, RENAME_NOREPLACE onto one
   ENAMETOOLONG  a name longer than 255 bytes, a symlink target of PATH_MAX or more
   EFBIG         a file larger than the write buffer (it must fit whole)
@@ -49,6 +51,7 @@ from kvfs.mount.invalidator import Invalidator
 from kvfs.mount.kernel_session import FuseSession, PassthroughFileInfo
 from kvfs.mount.metrics import TIMED_OPERATIONS, Metrics
 from kvfs.mount.objects import Objects, Reader
+from kvfs.mount.scrub import Scrub
 from kvfs.store import BackingStore
 
 PATH_MAX = 4096  # the longest symlink target Linux takes
@@ -66,6 +69,7 @@ class Handle:
     node: Node
     writable: bool
     opener: int = 0  # the process that opened it (a writer killed mid-file is not published)
+    passthrough: bool = False  # the kernel reads and writes it itself, not through us
     reader: Reader | None = None  # the version this reader opened
     content: Future[tuple[Reader, ChunkBuffer]] | None = None  # that version, read and verified
 
@@ -86,6 +90,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.index = index
         self.session = session
         self.objects = Objects(cfg, store, index, capacity, listener=self)
+        self.scrub = Scrub(self.objects, cfg.scrub_bytes_per_second)
         self.invalidator = Invalidator(session)
         self.events = MountEvents(cfg.events) if cfg.events else None
         self.metrics = Metrics()
@@ -104,6 +109,7 @@ class KvfsOperations(pyfuse3.Operations):
         """Serve requests until the mount goes away or a signal asks us to stop."""
         async with trio.open_nursery() as nursery:
             self.objects.start(nursery)
+            nursery.start_soon(self.scrub.run_forever)
             nursery.start_soon(self._stop_on_signal)
             nursery.start_soon(self._snapshot_forever)
             if self.events is not None:
@@ -115,7 +121,7 @@ class KvfsOperations(pyfuse3.Operations):
             nursery.cancel_scope.cancel()
 
     def report(self, walk: bool) -> dict[str, Any]:
-        return control.report(self.objects, self.lookups, walk)
+        return control.report(self.objects, self.scrub.stats, self.lookups, walk)
 
     async def _snapshot_forever(self) -> None:
         """Refresh what /metrics serves (its HTTP thread must not walk the live index)."""
@@ -232,7 +238,21 @@ class KvfsOperations(pyfuse3.Operations):
         self._next_fh += 1
         self._handles[fh] = handle
         handle.node.open_count += 1
+        handle.node.passthrough_opens += handle.passthrough
         return fh
+
+    def _file_info(self, handle: Handle, keep_cache: bool = False) -> pyfuse3.FileInfo:
+        """The open reply: a passthrough handle names its backing file, where the kernel reads
+        and writes; a served one is answered by read() and write()."""
+        node = handle.node
+        fd = self.objects.passthrough_fd(node)
+        if fd is None and handle.reader is not None:
+            fd = handle.reader.fd
+        handle.passthrough = handle.passthrough and fd is not None
+        fh = self._new_fh(handle)
+        if not handle.passthrough:
+            return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=node.rewritten)
+        return PassthroughFileInfo(fh, keep_cache=True, backing_fd=fd)
 
     def _handle(self, fh: int) -> Handle:
         try:
@@ -407,13 +427,14 @@ class KvfsOperations(pyfuse3.Operations):
         parent = self._new_dir(parent_inode, name)
         owner = self._owner(parent, ctx)
         exclusive = bool(flags & os.O_EXCL)
+        passthrough = sessions.passthrough(self.session)  # the kernel writes it, not us
         node, created = await self.objects.create(
-            parent, name, self._masked(mode), owner, exclusive
+            parent, name, self._masked(mode), owner, exclusive, passthrough
         )
         if not created:
             return await self.open(node.ino, flags, ctx), self._entry(node)
-        handle = Handle(node, writable=True, opener=process.thread_group(ctx.pid))
-        return pyfuse3.FileInfo(fh=self._new_fh(handle), keep_cache=False), self._entry(node)
+        handle = Handle(node, True, process.thread_group(ctx.pid), passthrough=passthrough)
+        return self._file_info(handle), self._entry(node)
 
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if control.is_control(inode):
@@ -426,38 +447,47 @@ class KvfsOperations(pyfuse3.Operations):
         node = self._node(inode)
         if node.is_dir:
             raise FUSEError(errno.EISDIR)
-        if flags & os.O_ACCMODE != os.O_RDONLY:
-            await self.objects.open_write(node, bool(flags & os.O_TRUNC))
-            handle = Handle(node, writable=True, opener=process.thread_group(ctx.pid))
-            return pyfuse3.FileInfo(fh=self._new_fh(handle), keep_cache=False)
-        # A chunk checked since the daemon started is read by the kernel from its backing file
-        # (--verify first-read, where the session has passthrough); a file published again in
-        # place is not: its page cache may hold another version.
-        passthrough = (
-            self.cfg.verify == "first-read"
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
+        # While the kernel passes an inode through, it fails any other open that does not (EIO):
+        # a file written in passthrough is opened so by all; a published one by readers once
+        # it is verified (--verify first-read), unless the daemon serves a handle of it or it
+        # was published again in place (the page cache may hold another version).
+        passthrough = self.objects.passthrough_fd(node) is not None or (
+            not writable
             and sessions.passthrough(self.session)
-            and node.verified
-            and not node.rewritten
+            and (
+                node.passthrough_opens > 0
+                or (
+                    self.cfg.verify == "first-read"
+                    and node.verified
+                    and not node.rewritten
+                    and node.open_count == 0
+                )
+            )
         )
-        handle = Handle(node, writable=False)
+        if writable:
+            if node.passthrough_opens and not passthrough:
+                raise FUSEError(errno.ETXTBSY)
+            await self.objects.open_write(node, bool(flags & os.O_TRUNC))
+            handle = Handle(node, True, process.thread_group(ctx.pid), passthrough=passthrough)
+            return self._file_info(handle)
+        handle = Handle(node, writable=False, passthrough=passthrough)
         handle.reader = await self.objects.open_read(node, passthrough)
         if handle.reader is not None and node.parent is not None:
             self._count_lookup(node.parent, "hit")
-        fh = self._new_fh(handle)
-        if passthrough and handle.reader is not None:
-            return PassthroughFileInfo(fh, keep_cache=True, backing_fd=handle.reader.fd)
         # O_DIRECT needs nothing special: the kernel bypasses its cache for that file descriptor
         # and sends READs of up to 1 MiB, each answered in full from the verified buffer. A file
         # published again in place is read past the page cache, which holds one version only.
-        return pyfuse3.FileInfo(fh=fh, keep_cache=not node.rewritten, direct_io=node.rewritten)
+        return self._file_info(handle, keep_cache=not node.rewritten)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         if fh in self._control:
             return self._control[fh][off : off + size]
         handle = self._handle(fh)
-        buffer = self.objects.being_written(handle.node)
-        if buffer is not None and (handle.writable or handle.reader is None):
-            return bytes(buffer.read(off, size))  # a copy: the buffer may still change
+        if handle.writable or handle.reader is None:  # opened while it was being written
+            unpublished = await self.objects.read_unpublished(handle.node, off, size)
+            if unpublished is not None:
+                return unpublished
         if handle.content is None:
             handle.content = self.objects.start_detached(
                 partial(self.objects.load, handle.node, handle.reader)
@@ -490,6 +520,7 @@ class KvfsOperations(pyfuse3.Operations):
         handle = self._handles.pop(fh)
         node = handle.node
         node.open_count -= 1
+        node.passthrough_opens -= handle.passthrough
         if handle.content is not None and not handle.content.done:
             # A load that outlived its READ's deadline still uses the fd: let it finish first.
             self.objects.start_detached(partial(self._close_reader, handle))
@@ -562,7 +593,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         if control.is_control(inode):
             raise FUSEError(pyfuse3.ENOATTR)  # the control files have no attributes
-        value = control.xattrs(self._node(inode), self.objects, self.lookups).get(name)
+        value = control.xattrs(self._node(inode), self.objects, self.report).get(name)
         if value is None:  # security.* lands here at once: the kernel asks on every first write
             raise FUSEError(pyfuse3.ENOATTR)
         return value
@@ -570,7 +601,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         if control.is_control(inode):
             return []
-        return list(control.xattrs(self._node(inode), self.objects, self.lookups))
+        return list(control.xattrs(self._node(inode), self.objects, self.report))
 
     async def setxattr(
         self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext

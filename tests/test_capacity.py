@@ -42,7 +42,7 @@ def small_mount(tmp_path: Path) -> Iterator[Mount]:
 
 
 def store(mount: Mount, key: int) -> None:
-    vllm_io.store(path(mount, key), vllm_io.chunk_bytes(key, CHUNK), o_direct=True)
+    vllm_io.store(path(mount, key), vllm_io.chunk(key, CHUNK), o_direct=True)
 
 
 def read(mount: Mount, key: int) -> None:

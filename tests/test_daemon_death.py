@@ -38,6 +38,7 @@ def dying_mount(tmp_path: Path) -> Iterator[tuple[Mount, int]]:
         mount.start()
         for key in KEYS:
             vllm_io.store(vllm_io.chunk_path(str(mount.path), key), vllm_io.chunk_bytes(key, CHUNK))
+        mount.settle()  # published: a daemon killed before a release drops that chunk
         yield mount, under
     finally:
         os.close(under)
@@ -162,6 +163,7 @@ def test_supervise_restarts_a_killed_daemon_in_place(tmp_path: Path) -> None:
         )
         for key in KEYS:
             vllm_io.store(vllm_io.chunk_path(str(mount.path), key), vllm_io.chunk_bytes(key, CHUNK))
+        mount.settle()
         for _ in range(2):  # a second death is handled like the first
             old = mount.pid
             started = time.monotonic()

@@ -51,7 +51,7 @@ def test_a_read_from_a_stalled_store_fails_within_the_deadline_and_others_are_se
     outer, inner = stacked
     paths = [vllm_io.chunk_path(str(outer.path), k) for k in range(2)]
     for key, path in enumerate(paths):
-        vllm_io.store(path, vllm_io.chunk_bytes(key, CHUNK), o_direct=True)
+        vllm_io.store(path, vllm_io.chunk(key, CHUNK), o_direct=True)
     os.kill(inner.pid, signal.SIGSTOP)
     start = time.monotonic()
     with pytest.raises(OSError) as err:
@@ -92,7 +92,7 @@ def test_a_close_that_stalls_on_the_store_holds_up_no_other_request(
 ) -> None:
     outer, inner = stacked
     path = vllm_io.chunk_path(str(outer.path), 0)
-    vllm_io.store(path, vllm_io.chunk_bytes(0, CHUNK), o_direct=True)
+    vllm_io.store(path, vllm_io.chunk(0, CHUNK), o_direct=True)
     outer.settle()
     # Should the daemon block on a close, the store wakes up after a while: the test ends.
     wake = threading.Timer(8, os.kill, (inner.pid, signal.SIGCONT))

@@ -102,7 +102,10 @@ def test_a_full_backing_store_gives_enospc_and_leaves_nothing_partial(
             error = err
             break
         stored.append(key)
-    assert error is not None and error.errno == errno.ENOSPC
+    # ENOSPC; or, where the kernel writes the backing file itself (passthrough), what a plain
+    # directory gives: the write that meets the full disk comes back short.
+    assert error is not None
+    assert error.errno == errno.ENOSPC or "short write" in str(error)
     assert 1 <= len(stored) < 8
     assert not list(mount.path.rglob("*.tmp")) and not list(mount.backing.rglob("*.tmp"))
     assert not list((mount.backing / ".kvfs" / "tmp").iterdir())
@@ -118,7 +121,9 @@ def test_a_full_backing_store_gives_enospc_and_leaves_nothing_partial(
 
 @pytest.fixture
 def small_buffer_mount(tmp_path: Path) -> Iterator[Mount]:
+    # The daemon's write buffer: pyfuse3's (a mount that passes writes through has none).
     mount = make_mount(tmp_path, "--write-buffer", "2M")
+    mount.options += ("--session", "pyfuse3")
     try:
         yield mount.start()
     finally:

@@ -82,7 +82,10 @@ def test_a_handler_that_fails_unexpectedly_fails_only_its_request() -> None:
 
 @pytest.fixture
 def small_buffer_mount(tmp_path: Path) -> Iterator[Mount]:
+    """Files written through the daemon's buffer (a mount that passes writes through has
+    none: tests/test_passthrough.py checks what bounds those)."""
     mount = make_mount(tmp_path, "--write-buffer", "4M", "--io-timeout", "3")
+    mount.options += ("--session", "pyfuse3")
     try:
         yield mount.start()
     finally:
@@ -133,12 +136,6 @@ def test_sparse_files_take_no_daemon_memory_and_stay_sparse(fresh_mount: Mount) 
         f.seek((1 << 30) - 3)
         f.write(b"end")
     assert rss(fresh_mount.pid) - before < 64 << 20
-    fd = os.open(fresh_mount.path / "beyond", os.O_CREAT | os.O_WRONLY, 0o644)
-    with pytest.raises(OSError) as err:
-        os.pwrite(fd, b"x", 1 << 30)  # ends past what one file may hold
-    assert err.value.errno == errno.EFBIG
-    with pytest.raises(OSError):
-        os.close(fd)
     fresh_mount.settle()
     assert rss(fresh_mount.pid) - before < 64 << 20
     backing = fresh_mount.backing / "sparse"
@@ -147,7 +144,21 @@ def test_sparse_files_take_no_daemon_memory_and_stay_sparse(fresh_mount: Mount) 
     with open(backing, "rb") as f:
         f.seek((1 << 30) - 4096)
         assert f.read() == bytes(4093) + b"end"
-    assert not (fresh_mount.path / "beyond").exists()
+
+
+def test_a_write_past_the_buffer_at_a_far_offset_takes_no_memory_and_fails(
+    small_buffer_mount: Mount,
+) -> None:
+    before = rss(small_buffer_mount.pid)
+    fd = os.open(small_buffer_mount.path / "beyond", os.O_CREAT | os.O_WRONLY, 0o644)
+    with pytest.raises(OSError) as err:
+        os.pwrite(fd, b"x", 4 << 20)  # ends past what one file may hold
+    assert err.value.errno == errno.EFBIG
+    with pytest.raises(OSError):
+        os.close(fd)
+    small_buffer_mount.settle()
+    assert rss(small_buffer_mount.pid) - before < 16 << 20
+    assert not (small_buffer_mount.path / "beyond").exists()
 
 
 def test_the_control_directory_answers_with_the_errnos_of_a_read_only_tree(

@@ -28,7 +28,7 @@ def flip_byte(path: str, offset: int = 1000) -> None:
 
 def test_a_flipped_byte_fails_with_eio_is_quarantined_and_then_misses(fresh_mount: Mount) -> None:
     path = vllm_io.chunk_path(str(fresh_mount.path), 1)
-    vllm_io.store(path, vllm_io.chunk_bytes(1, CHUNK), o_direct=True)
+    vllm_io.store(path, vllm_io.chunk(1, CHUNK), o_direct=True)
     flip_byte(fresh_mount.on_backing(path))
     with pytest.raises(OSError) as err:
         vllm_io.load(path, CHUNK, o_direct=True)
@@ -67,7 +67,7 @@ def test_vllm_fs_tier_reports_a_failed_load_and_never_gets_the_bad_bytes(
 def test_kvfs_verify_on_a_mount_and_on_a_backing_directory(fresh_mount: Mount) -> None:
     paths = [vllm_io.chunk_path(str(fresh_mount.path), k) for k in range(6)]
     for key, path in enumerate(paths):
-        vllm_io.store(path, vllm_io.chunk_bytes(key, CHUNK), o_direct=True)
+        vllm_io.store(path, vllm_io.chunk(key, CHUNK), o_direct=True)
     flip_byte(fresh_mount.on_backing(paths[2]))
     result = kvfs("verify", "--json", str(fresh_mount.path), check=False)
     report = json.loads(result.stdout)

@@ -7,15 +7,17 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kvfs import checksum
 from tests import vllm_tier
 from tests.conftest import Mount, make_mount
-from tests.test_integrity import backing_of, flip_byte
+from tests.test_integrity import flip_byte
 from tools import vllm_io
 
 ROW = 256 << 10
@@ -29,7 +31,9 @@ def served_bytes(mount: Mount) -> int:
 
 @pytest.fixture
 def passthrough_mount(tmp_path: Path) -> Iterator[Mount]:
+    # No scrub: it would verify chunks before the first open these tests make.
     mount = make_mount(tmp_path, "--session", "kernel", "--verify", "first-read")
+    mount.options += ("--scrub-rate", "0")
     try:
         yield mount.start()
     finally:
@@ -66,10 +70,10 @@ def test_a_chunk_from_before_the_restart_is_checked_once_then_passed_through(
 ) -> None:
     good, bad = (vllm_io.chunk_path(str(passthrough_mount.path), k) for k in (1, 2))
     for key, path in ((1, good), (2, bad)):
-        vllm_io.store(path, vllm_io.chunk_bytes(key, ROW), o_direct=True)
+        vllm_io.store(path, vllm_io.chunk(key, ROW), o_direct=True)
     passthrough_mount.settle()
     passthrough_mount.restart()  # found at mount: not verified by this daemon
-    flip_byte(backing_of(passthrough_mount, bad))
+    flip_byte(passthrough_mount.on_backing(bad))
     with pytest.raises(OSError) as err:  # a flipped byte before the first open: served, caught
         vllm_io.load(bad, ROW, o_direct=True)
     assert err.value.errno == errno.EIO
@@ -81,3 +85,96 @@ def test_a_chunk_from_before_the_restart_is_checked_once_then_passed_through(
     for _ in range(3):
         assert vllm_io.load(good, ROW) == vllm_io.chunk_bytes(1, ROW)
     assert served_bytes(passthrough_mount) == checked  # and then passed through
+
+
+def test_a_file_written_in_passthrough_is_published_whole_with_its_checksum(
+    passthrough_mount: Mount,
+) -> None:
+    """The kernel writes a new file into its temp backing file; the daemon never sees the
+    bytes, checksums them at close and publishes by rename at the last release."""
+    path = passthrough_mount.path / "f"
+    data = os.urandom(3 << 20)
+    with open(path, "wb") as f:
+        f.write(data[: 1 << 20])
+        with open(path, "rb") as reader:  # opened while written: passes through to the temp file
+            assert reader.read(1 << 20) == data[: 1 << 20]
+        f.write(data[1 << 20 :])
+        os.utime(f.fileno(), ns=(1_000_000_000, 2_000_000_000))  # after the writes: it stays
+    backing = passthrough_mount.on_backing(path)
+    assert backing.read_bytes() == data
+    assert os.stat(path).st_mtime_ns == backing.stat().st_mtime_ns == 2_000_000_000
+    digest = os.getxattr(backing, "user.kvfs.checksum")
+    assert digest == os.getxattr(path, "user.kvfs.checksum") == checksum.checksum(data).encode()
+    assert served_bytes(passthrough_mount) == 0 and path.read_bytes() == data
+    assert not os.listdir(passthrough_mount.backing / ".kvfs" / "tmp")
+
+
+def test_a_rewrite_in_place_waits_for_the_readers_that_pass_through(
+    passthrough_mount: Mount,
+) -> None:
+    """The kernel fails (EIO) a served open of an inode it passes through; the daemon says
+    why first: ETXTBSY, and nothing changes. Once the readers are gone, the rewrite works."""
+    path = passthrough_mount.path / "f"
+    path.write_bytes(b"old" * 1000)
+    passthrough_mount.settle()
+    with open(path, "rb") as reader:
+        assert reader.read(3) == b"old"
+        with pytest.raises(OSError) as err:
+            os.open(path, os.O_RDWR)
+        assert err.value.errno == errno.ETXTBSY
+        assert reader.read() == b"old" * 999
+    with open(path, "r+b") as f:
+        f.write(b"new")
+    assert path.read_bytes() == b"new" + b"old" * 999
+
+
+def test_a_passthrough_file_beyond_the_capacity_fails_at_close_and_publishes_nothing(
+    tmp_path: Path,
+) -> None:
+    """No write buffer bounds a file the kernel writes: the capacity does, at close()."""
+    mount = make_mount(tmp_path, "--session", "kernel", "--capacity", "4M").start()
+    try:
+        path = mount.path / "big"
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o644)
+        try:
+            for _ in range(5):
+                assert os.write(fd, os.urandom(1 << 20)) == 1 << 20
+        finally:
+            with pytest.raises(OSError) as closed:
+                os.close(fd)
+        assert closed.value.errno == errno.ENOSPC
+        mount.settle()
+        assert not path.exists() and not (mount.backing / "big").exists()
+        assert not os.listdir(mount.backing / ".kvfs" / "tmp")
+        (mount.path / "fits").write_bytes(b"x" * (3 << 20))
+        assert mount.on_backing(mount.path / "fits").stat().st_size == 3 << 20
+    finally:
+        mount.stop()
+
+
+def test_the_scrub_finds_a_byte_flipped_after_verification(tmp_path: Path) -> None:
+    """Passthrough reads never reach the daemon: a chunk changed on the disk after it was
+    verified is found by the scrub, quarantined, and misses from then on."""
+    mount = make_mount(tmp_path, "--session", "kernel", "--verify", "first-read")
+    mount.options += ("--scrub-rate", "1G")
+    mount.start()
+    try:
+        paths = [vllm_io.chunk_path(str(mount.path), k) for k in range(4)]
+        for key, path in enumerate(paths):
+            vllm_io.store(path, vllm_io.chunk(key, ROW), o_direct=True)
+        mount.settle()
+        for key, path in enumerate(paths):
+            assert vllm_io.load(path, ROW) == vllm_io.chunk_bytes(key, ROW)  # passed through
+        flip_byte(mount.on_backing(paths[2]))
+        deadline = time.monotonic() + 10
+        while os.access(paths[2], os.F_OK):
+            assert time.monotonic() < deadline, "the scrub did not find the flipped byte"
+            time.sleep(0.05)
+        usage = json.loads((mount.path / ".kvfs" / "usage.json").read_bytes())
+        assert usage["scrub"]["failures"] == 1 and usage["checksum_failures"] == 1
+        assert usage["scrub"]["files"] >= 4 and usage["counters"]["reads"] == 4  # no reads
+        assert len(os.listdir(mount.backing / ".kvfs" / "quarantine")) == 1
+        for key in (0, 1, 3):
+            assert vllm_io.load(paths[key], ROW) == vllm_io.chunk_bytes(key, ROW)
+    finally:
+        mount.stop()

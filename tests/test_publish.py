@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 from tests.conftest import Mount
-from tests.test_integrity import backing_of, flip_byte
+from tests.test_integrity import flip_byte
 from tools import vllm_io
 
 CHUNK = 256 << 10
@@ -77,7 +77,7 @@ def test_a_quarantined_chunk_is_gone_for_every_later_lookup_and_never_read_short
         resolved = os.open(path, os.O_PATH)  # a name the kernel resolved before the damage
         try:
             fresh_mount.settle()
-            flip_byte(backing_of(fresh_mount, path))
+            flip_byte(fresh_mount.on_backing(path))
             with pytest.raises(OSError) as err:
                 vllm_io.load(path, CHUNK, o_direct=key % 2 == 0)
             assert err.value.errno == errno.EIO
@@ -105,6 +105,7 @@ def test_a_reader_of_the_old_version_is_not_checked_against_the_new_one(
     path = str(fresh_mount.path / "f")
     old, new = vllm_io.chunk_bytes(1, CHUNK), vllm_io.chunk_bytes(2, CHUNK)
     vllm_io.store(path, old)
+    fresh_mount.settle()  # else the reader may pass through to the temp file (test_passthrough)
     with open(path, "rb") as reader:  # opened: its version is fixed, not yet read
         rewrite_in_place(path, new)
         fresh_mount.settle()
@@ -120,6 +121,7 @@ def test_after_an_in_place_rewrite_a_fresh_read_gets_the_new_bytes(fresh_mount: 
     size = 4 << 20
     versions = [vllm_io.chunk_bytes(k, size) for k in range(3)]
     vllm_io.store(path, versions[0])
+    fresh_mount.settle()  # else the reader may pass through to the temp file (test_passthrough)
     for previous, current in itertools.pairwise(versions):
         with open(path, "rb", buffering=0) as old_reader:
             assert old_reader.read(4096) == previous[:4096]

@@ -14,7 +14,7 @@ and, single-threaded as vLLM's lookup thread, access(F_OK) per second on just-st
 (lookup_hit) and on keys never seen (lookup_miss), the first time each name is asked and again
 (``_repeat``: the kernel then answers from its entry cache). It prints medians over the repeats
 and mount/direct ratios; ``--json`` prints one object whose ``summary`` holds, per session, the
-median ratio per measure.
+median ratio per measure and the daemon's CPU seconds per GB it moved (stores and loads).
 
 Every target uses O_DIRECT when vLLM's probe passes there, as vLLM would (``--o-direct`` overrides).
 Run as root (it drops the page cache and mounts).
@@ -92,6 +92,14 @@ class Target:
         else:
             drop_caches()
 
+    def daemon_cpu(self) -> float:
+        """CPU seconds the mount's daemon has used (user and system, all its threads)."""
+        if self.backing is None:
+            return 0.0
+        pid = int(os.getxattr(self.root, "user.kvfs.pid"))
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def clear(self) -> None:
         for entry in self.root.iterdir():
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
@@ -126,10 +134,15 @@ def measure_data(
         vllm_io.load_into(vllm_io.chunk_path(root, key), slots.buf, o_direct)
 
     gb = len(keys) * size / 1e9
+    before = target.daemon_cpu()
     result = {"store": gb / run_threads(threads, keys, store)}
-    target.make_cold()
+    cpu = target.daemon_cpu() - before
+    target.make_cold()  # a new daemon
+    before = target.daemon_cpu()
     result["cold_load"] = gb / run_threads(threads, keys, load)
     result["warm_load"] = gb / run_threads(threads, keys, load)
+    result["daemon_cpu_s"] = cpu + target.daemon_cpu() - before
+    result["gb_moved"] = 3 * gb
     return result
 
 
@@ -257,10 +270,15 @@ def summarise(rows: list[dict[str, object]], modes: dict[str, bool]) -> dict[str
             )
     summary = {
         session: {
-            m: statistics.median(
-                r["ratio"] for r in results if r["measure"] == m and r["session"] == session
-            )
-            for m in MEASURES
+            **{
+                m: statistics.median(
+                    r["ratio"] for r in results if r["measure"] == m and r["session"] == session
+                )
+                for m in MEASURES
+            },
+            # What the daemon burns to move the bytes (passthrough moves them in the kernel).
+            "daemon_cpu_s_per_gb": sum(_of(rows, session, "daemon_cpu_s"))
+            / sum(_of(rows, session, "gb_moved")),
         }
         for session in sessions
     }
@@ -271,6 +289,10 @@ def summarise(rows: list[dict[str, object]], modes: dict[str, bool]) -> dict[str
         "summary": summary,
         "units": {m: "GB/s" if "load" in m or m == "store" else "lookups/s" for m in MEASURES},
     }
+
+
+def _of(rows: list[dict[str, object]], target: str, key: str) -> list[float]:
+    return [float(r[key]) for r in rows if r["target"] == target and key in r]  # type: ignore[arg-type]
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -287,7 +309,8 @@ def print_table(report: dict[str, Any]) -> None:
     for session, ratios in report["summary"].items():
         print(
             f"median kvfs/direct, {session}: "
-            + ", ".join(f"{m} {v:.2f}" for m, v in ratios.items())
+            + ", ".join(f"{m} {v:.2f}" for m, v in ratios.items() if m in MEASURES)
+            + f"; daemon CPU {ratios['daemon_cpu_s_per_gb']:.2f} s per GB moved"
         )
 
 

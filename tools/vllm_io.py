@@ -53,3 +53,11 @@ def chunk_path(root: str, key: int, group: int = 0, namespace: str = NAMESPACE) 
 def chunk_bytes(key: int, size: int) -> bytes:
     """Deterministic bytes for a key, different for every key and every page."""
     return random.Random(key).randbytes(size)
+
+
+def chunk(key: int, size: int) -> mmap.mmap:
+    """``chunk_bytes`` in page-aligned memory, where vLLM keeps a chunk it stores (O_DIRECT
+    takes nothing else: from a plain directory, or a mount that passes writes through)."""
+    buf = aligned(size)
+    buf.write(chunk_bytes(key, size))
+    return buf
