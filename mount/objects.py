@@ -5,7 +5,8 @@ buffer (bounded by ``write_buffer_bytes``, holes taking none; no file may be lar
 ``close_write`` at each FLUSH (the buffer goes to a temp file with its checksum, where errors
 still reach the writer's close()), and ``release_writer`` at the last release (the temp file is
 renamed into place: the publish). A file created ``passthrough`` has no buffer: the kernel
-writes its temp file itself, and ``close_write`` checksums what it finds there. A file is
+writes its temp file itself, ``close_write`` reserves room for what is there, and the publish
+checksums it (the bytes the writer's close() left, unless they changed since). A file is
 published once, as a successful close left it: never after a failed write, never by a writer
 killed with it open. Reading one: ``open_read`` opens the exact version the index describes,
 ``load`` reads it whole and verifies it against that version's checksum; a mismatch quarantines
@@ -21,6 +22,7 @@ disagrees with the backing store. The event loop never touches the backing store
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import math
@@ -91,7 +93,7 @@ class Listener(Protocol):
 class Prepared:
     """A file's bytes written to ``.kvfs/tmp`` at close, waiting for the last release."""
 
-    published: Published
+    published: Published | None  # None: a passthrough file, checksummed at its publish
     version: Any  # of the file these bytes are (``Objects._version``)
     attrs: Attrs  # mode, owner and times they were written with
     held: int  # capacity reserved for them
@@ -613,18 +615,26 @@ class Objects:
             node.mtime_ns = version[1]
         attrs = self._file_attrs(node)
         held = await self.evictor.reserve(ws.buffer.size if ws.file is None else version[0])
+        prepared = Prepared(None, version, attrs, held, durable)
         try:
             if ws.file is None:
                 published = await self._write_tmp(ws.buffer, attrs, durable)
-            else:  # checksummed as it is now; sealing changes its ctime: the version after
-                mode, uid, gid, times = attrs
-                published, version = await self.io.write(
-                    self.store.seal_tmp, ws.file.rel, ws.file.fd, mode, uid, gid, times, durable
-                )
+                prepared = dataclasses.replace(prepared, published=published)
+            elif durable:  # fsync: checksummed and flushed now, not at the publish
+                prepared = await self._seal(ws.file, prepared)
         except BaseException:
             self.evictor.release(held)
             raise
-        ws.prepared = Prepared(published, version, attrs, held, durable)
+        ws.prepared = prepared
+
+    async def _seal(self, file: TmpFile, prepared: Prepared) -> Prepared:
+        """Checksum a passthrough file as it is now and give it its attributes; sealing changes
+        its ctime, so the version is the one after."""
+        mode, uid, gid, times = prepared.attrs
+        published, version = await self.io.write(
+            self.store.seal_tmp, file.rel, file.fd, mode, uid, gid, times, prepared.durable
+        )
+        return dataclasses.replace(prepared, published=published, version=version)
 
     async def _version(self, ws: WriteState) -> Any:
         """What identifies the file's current bytes: the buffer's generation, or the size and
@@ -636,7 +646,7 @@ class Objects:
     def _discard(self, ws: WriteState, prepared: Prepared) -> None:
         """Let prepared bytes go (a passthrough file's temp file stays: its writers have it)."""
         self.evictor.release(prepared.held)
-        if ws.file is None:
+        if ws.file is None and prepared.published is not None:
             self.io.submit(Queue.WRITE, self.store.discard, prepared.published.tmp)
 
     async def _publish(self, node: Node, ws: WriteState) -> None:
@@ -658,6 +668,10 @@ class Objects:
             log.info("inode %d not published: changed after its last close", node.ino)
             return
         try:
+            if prepared.published is None:  # a passthrough file: checksummed at its publish
+                assert ws.file is not None
+                attrs = self._file_attrs(node)  # a chmod or touch after its close holds
+                prepared = await self._seal(ws.file, dataclasses.replace(prepared, attrs=attrs))
             rewritten = await self._commit(node, ws, prepared)
         finally:  # after set_published: the bytes are counted in one place at all times
             self.evictor.release(prepared.held)
@@ -672,6 +686,7 @@ class Objects:
     async def _commit(self, node: Node, ws: WriteState, prepared: Prepared) -> bool:
         """Rename a temp file over the node's name; returns whether it replaced a version."""
         pub = prepared.published
+        assert pub is not None
         async with self._ns:
             if not node.attached:  # unlinked while open: the bytes have no name to take
                 self._discard(ws, prepared)
