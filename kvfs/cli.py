@@ -6,7 +6,10 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
+import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +102,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             print(f"bad: {path}")
         for path in report.errors:
             print(f"unreadable: {path}")
-    return 1 if report.bad or report.errors else 0
+    return FOUND if report.bad or report.errors else 0
 
 
 def _emit(args: argparse.Namespace, result: tuple[dict[str, Any], str]) -> int:
@@ -129,6 +132,21 @@ def _cmd_top(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a live view ends
         inspect.top(args.mountpoint, args.interval, args.count, args.json)
     return 0
+
+
+def positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse type: a number above zero, or a usage error naming the value."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0")
+        return value
+
+    return parse
 
 
 def parse_age(text: str) -> float:
@@ -263,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="check every chunk against its checksum",
         description="Read every file under PATH (a mount, or a backing directory no daemon "
         "serves) and check it against its checksum. Bad files are moved to the quarantine "
-        "(.kvfs/quarantine in the backing directory). Exit status 1 if any was bad.",
+        "(.kvfs/quarantine in the backing directory). Exit status 1 if any was bad or "
+        "unreadable, 2 if the check could not run.",
     )
     check.add_argument("path", type=Path)
     check.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -297,8 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and the usage. Ctrl-C stops it.",
     )
     live.add_argument("mountpoint", type=Path)
-    live.add_argument("--interval", type=float, default=1.0)
-    live.add_argument("--count", type=int, help="stop after this many lines")
+    live.add_argument(
+        "--interval", type=positive(float), default=1.0, help="seconds (default %(default)s)"
+    )
+    live.add_argument("--count", type=positive(int), help="stop after this many lines")
     live.add_argument("--json", action="store_true", help="one JSON object per line")
     live.set_defaults(run=_cmd_top)
 
@@ -317,13 +338,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Exit statuses: 0 done (nothing bad found); 1 done, and `kvfs verify` found bad or unreadable
+# chunks; 2 the command failed (bad arguments, nothing mounted there, the daemon refused...).
+FOUND = 1
+FAILED = 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # usage errors exit 2 too (argparse)
     try:
         return int(args.run(args))
     except (mountctl.MountError, ConfigError, verify.VerifyError, inspect.InspectError) as err:
         print(f"kvfs: {err}", file=sys.stderr)
-        return 1
+    except BrokenPipeError:  # `kvfs ls | head -1`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 128 + signal.SIGPIPE  # what the shell reports for a writer killed by SIGPIPE
+    except OSError as err:  # a path that is not there, a daemon that is gone...
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"kvfs: {where}{err.strerror or err}", file=sys.stderr)
+    return FAILED
 
 
 if __name__ == "__main__":

@@ -39,8 +39,12 @@ def parse_capacity(text: str, filesystem_bytes: int) -> int:
             percent = -1
         if not 0 < percent <= 100:
             raise ConfigError(f"--capacity: {text!r} is not a percentage between 0 and 100")
-        return int(filesystem_bytes * percent / 100)
-    return parse_size(text, "--capacity")
+        capacity = int(filesystem_bytes * percent / 100)
+    else:
+        capacity = parse_size(text, "--capacity")
+    if capacity < 1 << 20:  # a cache that can hold nothing is a mistake, not a choice
+        raise ConfigError(f"--capacity: {text!r} is less than 1M ({capacity} bytes)")
+    return capacity
 
 
 _UMASK = re.compile(r"^(?:0o)?([0-7]{1,4})$", re.IGNORECASE)

@@ -11,6 +11,7 @@ the backing directory's own `.kvfs/` is never shown, so this one is purely virtu
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import stat
@@ -117,3 +118,19 @@ def xattrs(
         # Files open for writing or closed but not yet published (their last release).
         values[b"user.kvfs.unpublished"] = b"%d" % objects.unpublished
     return values
+
+
+async def set_xattr(objects: Objects, node: Node, name: bytes, value: bytes | None) -> None:
+    """Set (``value``) or remove (None) an attribute: ``user.kvfs.pin`` = 1 exempts a file, or
+    everything under a directory, from eviction, 0 or removing it undoes that (kept with the
+    backing file: it survives a restart); ``user.kvfs.evict`` on the root evicts what
+    ``kvfs evict`` asks. Raises OSError: ENOTSUP for any other name, EINVAL for another value."""
+    if name == b"user.kvfs.evict" and node.ino == ROOT_INO and value is not None:
+        await objects.evict_by_request(value.decode(errors="replace"))
+        return
+    if name not in (b"user.kvfs.pin", b"user.kvfs.pinned"):
+        raise OSError(errno.ENOTSUP, os.strerror(errno.ENOTSUP))
+    flag = b"0" if value is None else value.strip()
+    if flag not in (b"0", b"1"):
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+    await objects.set_pinned(node, flag == b"1")

@@ -6,17 +6,21 @@ import argparse
 import ctypes
 import logging
 import os
+import signal
 import sys
+from functools import partial
 from pathlib import Path
 
 import pyfuse3
 import trio
+import zmq
 
 from kvfs import mountctl
 from kvfs.config import ConfigError, MountConfig, parse_capacity, parse_fuse_options, parse_umask
 from kvfs.eviction import make_policy
 from kvfs.index import Index
 from kvfs.mount import sessions
+from kvfs.mount.kernel_session import FuseSession
 from kvfs.mount.operations import KvfsOperations
 from kvfs.mountctl import READY
 from kvfs.store import BackingBusy, BackingStore
@@ -104,7 +108,18 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
         tell(f"error: {err}")
         return 1
     session, why = sessions.choose(cfg)
-    ops = KvfsOperations(cfg, store, index, capacity, session)
+    try:  # the ports first: a busy one fails the mount, not the daemon after it answered
+        ops = KvfsOperations(cfg, store, index, capacity, session)
+    except zmq.ZMQError as err:
+        tell(f"error: --events {cfg.events}: {err}")
+        return 1
+    if cfg.metrics_port is not None:
+        try:
+            ops.metrics.serve(cfg.metrics_port, cfg.metrics_address)
+        except OSError as err:
+            tell(f"error: --metrics-port {cfg.metrics_address}:{cfg.metrics_port}: {err.strerror}")
+            ops.close()
+            return 1
     mountpoint = str(cfg.mountpoint)
     try:
         guarded = mountctl.prepare_mountpoint(mountpoint)
@@ -135,13 +150,36 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
     if ready_fd is not None:
         os.close(ready_fd)
     try:
-        trio.run(ops.run)
+        trio.run(serve_requests, ops)
     finally:
         session.close(unmount=True)
         ops.close()
         store.close()
         log.info("unmounted %s", mountpoint)
     return 0
+
+
+async def serve_requests(ops: KvfsOperations) -> None:
+    """Serve until the mount goes away or SIGTERM/SIGINT asks us to stop; beside the FUSE
+    session run the object layer's sweep, the scrub, the KV events and /metrics."""
+    cfg = ops.cfg
+    async with trio.open_nursery() as nursery:
+        ops.objects.start(nursery)
+        nursery.start_soon(ops.scrub.run_forever)
+        nursery.start_soon(_stop_on_signal, ops.session)
+        if ops.listener.events is not None:
+            nursery.start_soon(ops.listener.events.flush_forever)
+        if cfg.metrics_port is not None:  # serving since before the mount
+            nursery.start_soon(ops.metrics.refresh_forever, partial(ops.report, False))
+        await ops.session.main(min_tasks=4, max_tasks=128)
+        nursery.cancel_scope.cancel()
+
+
+async def _stop_on_signal(session: FuseSession) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            session.terminate()
+            return
 
 
 def build_parser() -> argparse.ArgumentParser:

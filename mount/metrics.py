@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from functools import wraps
 from typing import Any, TypeVar
 
+import trio
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -74,7 +75,17 @@ class Metrics:
         otherwise, since /metrics names every model namespace on the mount)."""
         start_http_server(port, addr=address, registry=self.registry)
 
+    async def refresh_forever(self, report: Callable[[], dict[str, Any]]) -> None:
+        """Keep the snapshot fresh, from the event loop (the HTTP thread must not walk the
+        live index)."""
+        while True:
+            self.snapshot = report()
+            await trio.sleep(1)
+
     def timed(self, name: str, handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+        """The handler, its latency observed if it is one of TIMED_OPERATIONS."""
+        if name not in TIMED_OPERATIONS:
+            return handler
         observe = self.latency.labels(name).observe
 
         @wraps(handler)

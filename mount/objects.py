@@ -130,10 +130,12 @@ class WriteState:
 
 @dataclass
 class Reader:
-    """One opened version of a published file."""
+    """One opened version of a published file; or, ``unpublished``, the temp file of one
+    being written in passthrough (the inode its publish renames: it reads on after that)."""
 
     fd: int
     checksum: str | None
+    unpublished: bool = False
 
 
 class Objects:
@@ -416,8 +418,13 @@ class Objects:
 
         await self.bounded(op)
 
-    async def statvfs(self) -> os.statvfs_result:
-        return await self.bounded(partial(self.io.read, self.store.statvfs))
+    async def space(self) -> tuple[int, int, int, int, int, int]:
+        """Bytes of capacity, free in it, and available to a writer (the disk may have less
+        left), and the backing filesystem's inodes: total, free, available."""
+        st = await self.bounded(partial(self.io.read, self.store.statvfs))
+        free = self.evictor.free
+        available = min(free, st.f_bavail * st.f_frsize)
+        return self.evictor.capacity, free, available, st.f_files, st.f_ffree, st.f_favail
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -469,6 +476,13 @@ class Objects:
 
     async def _open_write(self, node: Node, truncate: bool) -> None:
         ws = self.writes.get(node.ino)
+        if ws is not None and ws.file is not None:
+            # Its last release may be publishing it (under the lock): a writer that joined now
+            # would write into the file just published, in place. Join after; or, if it went,
+            # open the published file for writing like any other.
+            async with ws.lock:
+                pass
+            ws = self.writes.get(node.ino)
         if ws is None:
             ws = self.writes[node.ino] = WriteState(ChunkBuffer(self.extents))
             if node.on_backing and node.size and not truncate:
@@ -675,6 +689,7 @@ class Objects:
             rewritten = await self._commit(node, ws, prepared)
         finally:  # after set_published: the bytes are counted in one place at all times
             self.evictor.release(prepared.held)
+        assert prepared.published is not None
         if rewritten:
             self.listener.content_changed(node)
         elif prepared.published.blocks != math.ceil(prepared.published.size / 512):
@@ -847,11 +862,13 @@ class Objects:
     # -- reading ----------------------------------------------------------------------------
 
     async def open_read(self, node: Node, passthrough: bool = False) -> Reader | None:
-        """Open the published version of a file for a reader; None while it is being written
-        (its readers see the buffer until the version they will read is published).
-        ``passthrough``: for the kernel to read itself (not O_DIRECT)."""
-        if node.ino in self.writes:
-            return None
+        """Open the published version of a file for a reader. While it is being written: None
+        for a buffered one (its readers see the buffer until the version they will read is
+        published), the temp file for a passthrough one. ``passthrough``: for the kernel to
+        read itself (not O_DIRECT)."""
+        ws = self.writes.get(node.ino)
+        if ws is not None:
+            return None if ws.file is None else Reader(os.dup(ws.file.fd), None, unpublished=True)
         if not node.on_backing:
             # Evicted or quarantined after the kernel resolved the name: the VFS looks the
             # name up afresh on ESTALE, and finds it gone.

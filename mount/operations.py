@@ -2,26 +2,11 @@
 
 Every file's life (buffered writes, publish at the last release, verified reads, quarantine,
 eviction, deadlines) is the object layer's (mount/objects.py); this class translates requests
-into its calls, keeps the handle tables, and hears what it did (``Listener``): KV events and
-the kernel's caches. Whatever a handler raises fails that request only (``contained``).
+into its calls and keeps the handle tables; what the objects did reaches KV events and the
+kernel's caches through ``MountListener`` (mount/listener.py). Whatever a handler raises fails
+that request only (``contained``).
 
-Errno choices:
-  ENOENT        a name that is not in the index (misses are also cached by the kernel)
-  ESTALE        an open of a node evicted or quarantined after the kernel resolved its name
-  ETXTBSY       an open for writing of a published file that readers have open in passthrough
-                (the kernel allows no served handle beside them)
-  EEXIST        create/mkdir/link/symlink/mknod of an existing name, RENAME_NOREPLACE onto one
-  ENAMETOOLONG  a name longer than 255 bytes, a symlink target of PATH_MAX or more
-  EFBIG         a file larger than the write buffer (it must fit whole)
-  EPERM         the reserved name ``.kvfs`` at the root (the backing directory's private area);
-                a hard link to a directory
-  EROFS         any change to the read-only control directory ``.kvfs/``
-  EINVAL        RENAME_EXCHANGE (not supported), moving a directory into itself, a pin value
-                other than 0 or 1, mknod of an unknown file type
-  EIO           a checksum mismatch (the file is quarantined), an expired deadline, a bug
-  ENOSPC        a publish that does not fit even after evicting all that may go
-  ENOTSUP       xattrs other than user.kvfs.pin (the rest are read-only)
-  anything else comes from the backing filesystem (EDQUOT, EROFS...)
+Which errno answers what: docs/design-notes.md, "Errnos".
 """
 
 from __future__ import annotations
@@ -29,28 +14,27 @@ from __future__ import annotations
 import errno
 import inspect
 import os
-import signal
 import stat
 from collections import Counter, defaultdict
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import pyfuse3
-import trio
 from pyfuse3 import FUSEError
 
 from kvfs import layout, namespaces, process
-from kvfs.buffers import ALIGN, ChunkBuffer
+from kvfs.buffers import ALIGN
 from kvfs.config import MountConfig
 from kvfs.index import ROOT_INO, Index, Node
 from kvfs.mount import control, sessions
-from kvfs.mount.bridge import Future, contained
-from kvfs.mount.events import MountEvents, block_of
+from kvfs.mount.bridge import contained
+from kvfs.mount.events import MountEvents
+from kvfs.mount.handles import Handle, Handles
 from kvfs.mount.invalidator import Invalidator
 from kvfs.mount.kernel_session import FuseSession, PassthroughFileInfo
-from kvfs.mount.metrics import TIMED_OPERATIONS, Metrics
-from kvfs.mount.objects import Objects, Reader
+from kvfs.mount.listener import MountListener
+from kvfs.mount.metrics import Metrics
+from kvfs.mount.objects import Objects
 from kvfs.mount.scrub import Scrub
 from kvfs.store import BackingStore
 
@@ -62,16 +46,6 @@ FUSE_HANDLERS = tuple(
     for name, member in vars(pyfuse3.Operations).items()
     if not name.startswith("_") and inspect.iscoroutinefunction(member)
 )
-
-
-@dataclass
-class Handle:
-    node: Node
-    writable: bool
-    opener: int = 0  # the process that opened it (a writer killed mid-file is not published)
-    passthrough: bool = False  # the kernel reads and writes it itself, not through us
-    reader: Reader | None = None  # the version this reader opened
-    content: Future[tuple[Reader, ChunkBuffer]] | None = None  # that version, read and verified
 
 
 class KvfsOperations(pyfuse3.Operations):
@@ -89,95 +63,24 @@ class KvfsOperations(pyfuse3.Operations):
         self.cfg = cfg
         self.index = index
         self.session = session
-        self.objects = Objects(cfg, store, index, capacity, listener=self)
+        events = MountEvents(cfg.events) if cfg.events else None
+        self.listener = MountListener(index, Invalidator(session), events)
+        self.objects = Objects(cfg, store, index, capacity, self.listener)
         self.scrub = Scrub(self.objects, cfg.scrub_bytes_per_second)
-        self.invalidator = Invalidator(session)
-        self.events = MountEvents(cfg.events) if cfg.events else None
         self.metrics = Metrics()
-        self._handles: dict[int, Handle] = {}
-        self._dirs: dict[int, list[tuple[bytes, Node | int]]] = {}  # int: a control file
-        self._control: dict[int, bytes] = {}  # open control files: their generated content
-        self._next_fh = 1
+        self.handles = Handles()
         self.lookups: defaultdict[int, Counter[str]] = defaultdict(Counter)  # per namespace
         for name in FUSE_HANDLERS:  # pyfuse3 calls the instance's attributes
-            handler = contained(name, getattr(self, name))
-            if name in TIMED_OPERATIONS:
-                handler = self.metrics.timed(name, handler)
-            setattr(self, name, handler)
-
-    async def run(self) -> None:
-        """Serve requests until the mount goes away or a signal asks us to stop."""
-        async with trio.open_nursery() as nursery:
-            self.objects.start(nursery)
-            nursery.start_soon(self.scrub.run_forever)
-            nursery.start_soon(self._stop_on_signal)
-            nursery.start_soon(self._snapshot_forever)
-            if self.events is not None:
-                nursery.start_soon(self.events.flush_forever)
-            if self.cfg.metrics_port is not None:
-                self.metrics.snapshot = self.report(walk=False)
-                self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_address)
-            await self.session.main(min_tasks=4, max_tasks=128)
-            nursery.cancel_scope.cancel()
+            setattr(self, name, self.metrics.timed(name, contained(name, getattr(self, name))))
 
     def report(self, walk: bool) -> dict[str, Any]:
         return control.report(self.objects, self.scrub.stats, self.lookups, walk)
 
-    async def _snapshot_forever(self) -> None:
-        """Refresh what /metrics serves (its HTTP thread must not walk the live index)."""
-        while True:
-            if self.cfg.metrics_port is not None:
-                self.metrics.snapshot = self.report(walk=False)
-            await trio.sleep(1)
-
     def close(self) -> None:
-        if self.events is not None:
-            self.events.close()
-        self.invalidator.close()
+        self.listener.close()
         self.objects.shutdown()
-        for handle in self._handles.values():
-            if handle.reader is not None:
-                os.close(handle.reader.fd)
-
-    async def _stop_on_signal(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
-                self.session.terminate()
-                return
-
-    # -- what the object layer did (its Listener) -------------------------------------------
-
-    def stored(self, node: Node) -> None:
-        self._chunk_event(node, stored=True)
-
-    def removed(self, node: Node) -> None:
-        self._chunk_event(node, stored=False)
-
-    def name_gone(self, parent: Node, name: bytes, node: Node) -> None:
-        self.invalidator.entry(parent.ino, name, node.ino)
-
-    async def name_gone_now(self, parent: Node, name: bytes, node: Node) -> None:
-        await self.invalidator.entry_now(parent.ino, name, node.ino)
-
-    def attributes_changed(self, node: Node) -> None:
-        self.invalidator.attributes(node.ino)
-
-    def content_changed(self, node: Node) -> None:
-        self.invalidator.inode(node.ino)
-
-    def _chunk_event(self, node: Node, stored: bool) -> None:
-        """Tell routers a chunk appeared or went (only names that are chunk files)."""
-        if self.events is None or node.parent is None:
-            return
-        block = block_of(node.name, node.parent.name)
-        if block is None:
-            return
-        if stored:
-            top = namespaces.top_level(node)
-            config = namespaces.config_for(self.index, top) if top is not None else None
-            self.events.chunk_stored(*block, namespaces.tokens_per_chunk(config) or 0)
-        else:
-            self.events.chunk_removed(*block)
+        for reader in self.handles.readers():
+            os.close(reader.fd)
 
     # -- inodes and handles -----------------------------------------------------------------
 
@@ -233,14 +136,6 @@ class KvfsOperations(pyfuse3.Operations):
         node.lookups += 1
         return self._attrs(node)
 
-    def _new_fh(self, handle: Handle) -> int:
-        fh = self._next_fh
-        self._next_fh += 1
-        self._handles[fh] = handle
-        handle.node.open_count += 1
-        handle.node.passthrough_opens += handle.passthrough
-        return fh
-
     def _file_info(self, handle: Handle, keep_cache: bool = False) -> pyfuse3.FileInfo:
         """The open reply: a passthrough handle names its backing file, where the kernel reads
         and writes; a served one is answered by read() and write()."""
@@ -249,16 +144,10 @@ class KvfsOperations(pyfuse3.Operations):
         if fd is None and handle.reader is not None:
             fd = handle.reader.fd
         handle.passthrough = handle.passthrough and fd is not None
-        fh = self._new_fh(handle)
+        fh = self.handles.open_file(handle)
         if not handle.passthrough:
             return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=node.rewritten)
         return PassthroughFileInfo(fh, keep_cache=True, backing_fd=fd)
-
-    def _handle(self, fh: int) -> Handle:
-        try:
-            return self._handles[fh]
-        except KeyError:
-            raise FUSEError(errno.EBADF) from None
 
     # -- names ------------------------------------------------------------------------------
 
@@ -392,18 +281,14 @@ class KvfsOperations(pyfuse3.Operations):
     # -- directories ------------------------------------------------------------------------
 
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        fh = self._next_fh
-        self._next_fh += 1
         if inode == control.DIR_INO:
-            self._dirs[fh] = [(name, ino) for name, ino in control.FILES.items()]
-            return fh
+            return self.handles.open_dir(list(control.FILES.items()))
         node = self._dir(inode)
         assert node.children is not None
-        self._dirs[fh] = sorted(node.children.items())  # a snapshot: offsets stay stable
-        return fh
+        return self.handles.open_dir(sorted(node.children.items()))
 
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        entries = self._dirs[fh]
+        entries = self.handles.listing(fh)
         for i in range(start_id, len(entries)):
             name, node = entries[i]
             if isinstance(node, int):  # a control file
@@ -417,7 +302,7 @@ class KvfsOperations(pyfuse3.Operations):
             node.lookups += 1
 
     async def releasedir(self, fh: int) -> None:
-        self._dirs.pop(fh, None)
+        self.handles.close_dir(fh)
 
     # -- files ------------------------------------------------------------------------------
 
@@ -440,40 +325,34 @@ class KvfsOperations(pyfuse3.Operations):
         if control.is_control(inode):
             if flags & os.O_ACCMODE != os.O_RDONLY:
                 raise FUSEError(errno.EROFS)
-            fh = self._next_fh
-            self._next_fh += 1
-            self._control[fh] = control.render(inode, self.report)
+            fh = self.handles.open_control(control.render(inode, self.report))
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
         node = self._node(inode)
         if node.is_dir:
             raise FUSEError(errno.EISDIR)
-        writable = flags & os.O_ACCMODE != os.O_RDONLY
         # While the kernel passes an inode through, it fails any other open that does not (EIO):
-        # a file written in passthrough is opened so by all; a published one by readers once
-        # it is verified (--verify first-read), unless the daemon serves a handle of it or it
-        # was published again in place (the page cache may hold another version).
-        passthrough = self.objects.passthrough_fd(node) is not None or (
-            not writable
-            and sessions.passthrough(self.session)
-            and (
-                node.passthrough_opens > 0
-                or (
-                    self.cfg.verify == "first-read"
-                    and node.verified
-                    and not node.rewritten
-                    and node.open_count == 0
-                )
-            )
-        )
-        if writable:
-            if node.passthrough_opens and not passthrough:
+        # a file written in passthrough is opened so by all (``_file_info``); a published one
+        # by readers once it is verified (--verify first-read), unless the daemon serves a
+        # handle of it or it was published again in place (the page cache may hold another
+        # version). A writer of a published file is served: none may pass through meanwhile.
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            if node.passthrough_opens and self.objects.passthrough_fd(node) is None:
                 raise FUSEError(errno.ETXTBSY)
             await self.objects.open_write(node, bool(flags & os.O_TRUNC))
-            handle = Handle(node, True, process.thread_group(ctx.pid), passthrough=passthrough)
+            handle = Handle(node, True, process.thread_group(ctx.pid), passthrough=True)
             return self._file_info(handle)
+        passthrough = sessions.passthrough(self.session) and (
+            node.passthrough_opens > 0
+            or (
+                self.cfg.verify == "first-read"
+                and node.verified
+                and not node.rewritten
+                and node.open_count == 0
+            )
+        )
         handle = Handle(node, writable=False, passthrough=passthrough)
         handle.reader = await self.objects.open_read(node, passthrough)
-        if handle.reader is not None and node.parent is not None:
+        if handle.reader is not None and not handle.reader.unpublished and node.parent:
             self._count_lookup(node.parent, "hit")
         # O_DIRECT needs nothing special: the kernel bypasses its cache for that file descriptor
         # and sends READs of up to 1 MiB, each answered in full from the verified buffer. A file
@@ -481,10 +360,12 @@ class KvfsOperations(pyfuse3.Operations):
         return self._file_info(handle, keep_cache=not node.rewritten)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
-        if fh in self._control:
-            return self._control[fh][off : off + size]
-        handle = self._handle(fh)
-        if handle.writable or handle.reader is None:  # opened while it was being written
+        content = self.handles.control(fh)
+        if content is not None:
+            return content[off : off + size]
+        handle = self.handles.file(fh)
+        reader = handle.reader
+        if handle.writable or reader is None or reader.unpublished:  # opened while written
             unpublished = await self.objects.read_unpublished(handle.node, off, size)
             if unpublished is not None:
                 return unpublished
@@ -496,7 +377,7 @@ class KvfsOperations(pyfuse3.Operations):
         return content.read(off, size)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        handle = self._handle(fh)
+        handle = self.handles.file(fh)
         if not handle.writable:
             raise FUSEError(errno.EBADF)
         await self.objects.write(handle.node, off, buf)
@@ -504,23 +385,21 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def flush(self, fh: int) -> None:
         """close(): where a written file's errors (ENOSPC, EIO) can still reach the writer."""
-        if fh in self._control:
+        if self.handles.control(fh) is not None:
             return
-        handle = self._handle(fh)
+        handle = self.handles.file(fh)
         if handle.writable:
             await self.objects.close_write(handle.node, handle.opener)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
-        handle = self._handle(fh)
+        handle = self.handles.file(fh)
         await self.objects.fsync(handle.node, handle.writable)
 
     async def release(self, fh: int) -> None:
-        if self._control.pop(fh, None) is not None:
+        if self.handles.close_control(fh):
             return
-        handle = self._handles.pop(fh)
+        handle = self.handles.close_file(fh)
         node = handle.node
-        node.open_count -= 1
-        node.passthrough_opens -= handle.passthrough
         if handle.content is not None and not handle.content.done:
             # A load that outlived its READ's deadline still uses the fd: let it finish first.
             self.objects.start_detached(partial(self._close_reader, handle))
@@ -577,53 +456,38 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         """The capacity and what is free within it (never more than the disk has left)."""
-        st = await self.objects.statvfs()
-        evictor = self.objects.evictor
+        space = await self.objects.space()
         out = pyfuse3.StatvfsData()
         out.f_bsize = out.f_frsize = ALIGN
         # df's Used is blocks - bfree: kvfs's own usage. Avail is what a writer can still get,
         # which the disk may cap below the capacity (other data on it).
-        out.f_blocks = evictor.capacity // ALIGN
-        out.f_bfree = evictor.free // ALIGN
-        out.f_bavail = min(evictor.free, st.f_bavail * st.f_frsize) // ALIGN
-        out.f_files, out.f_ffree, out.f_favail = st.f_files, st.f_ffree, st.f_favail
+        out.f_blocks, out.f_bfree, out.f_bavail = (n // ALIGN for n in space[:3])
+        out.f_files, out.f_ffree, out.f_favail = space[3:]
         out.f_namemax = layout.NAME_MAX
         return out
 
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        if control.is_control(inode):
-            raise FUSEError(pyfuse3.ENOATTR)  # the control files have no attributes
-        value = control.xattrs(self._node(inode), self.objects, self.report).get(name)
+        value = self._xattrs(inode).get(name)
         if value is None:  # security.* lands here at once: the kernel asks on every first write
             raise FUSEError(pyfuse3.ENOATTR)
         return value
 
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return list(self._xattrs(inode))
+
+    def _xattrs(self, inode: int) -> dict[bytes, bytes]:
         if control.is_control(inode):
-            return []
-        return list(control.xattrs(self._node(inode), self.objects, self.report))
+            return {}  # the control files have no attributes
+        return control.xattrs(self._node(inode), self.objects, self.report)
 
     async def setxattr(
         self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
     ) -> None:
-        """``user.kvfs.pin`` = 1 exempts a file, or everything under a directory, from eviction;
-        0 undoes it. The flag is kept with the backing file, so it survives a restart."""
         if control.is_control(inode):
             raise FUSEError(errno.EROFS)
-        node = self._node(inode)
-        if name == b"user.kvfs.evict" and inode == ROOT_INO:
-            await self.objects.evict_by_request(value.decode(errors="replace"))
-            return
-        if name not in (b"user.kvfs.pin", b"user.kvfs.pinned"):
-            raise FUSEError(errno.ENOTSUP)
-        if value.strip() not in (b"0", b"1"):
-            raise FUSEError(errno.EINVAL)
-        await self.objects.set_pinned(node, value.strip() == b"1")
+        await control.set_xattr(self.objects, self._node(inode), name, value)
 
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         if control.is_control(inode):
             raise FUSEError(errno.EROFS)
-        if name in (b"user.kvfs.pin", b"user.kvfs.pinned"):
-            await self.setxattr(inode, name, b"0", ctx)
-            return
-        raise FUSEError(errno.ENOTSUP)
+        await control.set_xattr(self.objects, self._node(inode), name, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes.util
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from tests.conftest import Mount, kvfs, make_mount
 
 
 def assert_refused(result: subprocess.CompletedProcess[str], words: str, mnt: Path) -> None:
-    assert result.returncode == 1
+    assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvfs: ") and words in lines[0], lines
     assert str(mnt) not in mountctl.kvfs_mounts()
@@ -60,7 +61,7 @@ def test_refuses_an_already_mounted_mountpoint_and_a_busy_backing_dir(
     kv_mount: Mount, tmp_path: Path
 ) -> None:
     result = kvfs("mount", str(kv_mount.path), "--backing", str(tmp_path), check=False)
-    assert result.returncode == 1 and "already mounted" in result.stderr
+    assert result.returncode == 2 and "already mounted" in result.stderr
     other = tmp_path / "other"
     other.mkdir()
     result = kvfs("mount", str(other), "--backing", str(kv_mount.backing), check=False)
@@ -136,4 +137,23 @@ def test_refuses_without_libfuse(tmp_path: Path) -> None:
 
 def test_umount_of_something_else_is_refused(tmp_path: Path) -> None:
     result = kvfs("umount", str(tmp_path), check=False)
-    assert result.returncode == 1 and "is not a kvfs mount" in result.stderr
+    assert result.returncode == 2 and "is not a kvfs mount" in result.stderr
+
+
+@pytest.mark.parametrize("option", ["--metrics-port", "--events"])
+def test_refuses_a_busy_port_before_it_says_mounted(tmp_path: Path, option: str) -> None:
+    """Issue 14, item 1: the port is bound before the mount answers, so a busy one fails the
+    `kvfs mount` command with one line, and leaves nothing mounted."""
+    mount = make_mount(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        value = str(port) if option == "--metrics-port" else f"tcp://127.0.0.1:{port}"
+        result = kvfs(
+            "mount", str(mount.path), "--backing", str(mount.backing), option, value, check=False
+        )
+    assert result.returncode == 2 and "mounted" not in result.stdout
+    assert "Address already in use" in result.stderr and option in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not mountctl.mount_stack(str(mount.path))

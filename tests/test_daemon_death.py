@@ -158,7 +158,7 @@ def test_supervise_restarts_a_killed_daemon_in_place(tmp_path: Path) -> None:
         mount.start()
         [supervisor] = mountctl.supervisors(str(mount.path))
         again = kvfs("mount", str(mount.path), "--backing", str(mount.backing), check=False)
-        assert again.returncode == 1 and f"supervised by kvfs (supervisor pid {supervisor})" in (
+        assert again.returncode == 2 and f"supervised by kvfs (supervisor pid {supervisor})" in (
             again.stderr
         )
         for key in KEYS:

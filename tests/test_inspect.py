@@ -8,9 +8,12 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from tests.conftest import Mount, kvfs
 from tools import vllm_io
+
+REPO = Path(__file__).resolve().parent.parent
 
 CHUNK = 128 << 10
 MODELS = {  # namespace -> (model, blocks per file, tokens per block, chunks stored)
@@ -134,4 +137,35 @@ def test_evict_a_namespace_and_by_age(fresh_mount: Mount) -> None:
     assert (fresh_mount.path / "qwen_bbbbbbbbbbbb" / "config.json").exists()
     assert os.access(fresh, os.F_OK)
     missing = kvfs("evict", str(fresh_mount.path), "--namespace", "nope", check=False)
-    assert missing.returncode == 1 and "no namespace" in missing.stderr
+    assert missing.returncode == 2 and "no namespace" in missing.stderr
+
+
+def test_mistakes_get_one_line_and_status_2_never_a_traceback(
+    fresh_mount: Mount, tmp_path: Path
+) -> None:
+    """Issue 14, item 6: each of these printed a traceback (or was accepted)."""
+    cases = [
+        (("stat", str(fresh_mount.path / "nope")), "No such file or directory"),
+        (("top", str(fresh_mount.path), "--interval", "-1"), "not a number above 0"),
+        (("top", str(fresh_mount.path), "--count", "0"), "not a number above 0"),
+        (("mount", str(tmp_path), "--capacity", "0"), "is less than 1M"),
+        (("mount", str(tmp_path), "--capacity", "0%"), "not a percentage"),
+    ]
+    for args, words in cases:
+        done = kvfs(*args, check=False)
+        assert done.returncode == 2, (args, done.stderr)
+        assert words in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
+    assert kvfs("stat", str(fresh_mount.path / ".kvfs" / "usage.json")).returncode == 0
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(fresh_mount: Mount) -> None:
+    vllm_io.store(vllm_io.chunk_path(str(fresh_mount.path), 1), b"x" * 4096)
+    done = subprocess.run(
+        # `true` reads nothing and is gone before kvfs writes: every write meets EPIPE.
+        f"{sys.executable} -m kvfs.cli ls {fresh_mount.path} | true",
+        shell=True,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert done.returncode == 0 and done.stderr == ""

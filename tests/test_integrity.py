@@ -80,7 +80,7 @@ def test_kvfs_verify_on_a_mount_and_on_a_backing_directory(fresh_mount: Mount) -
     flip_byte(bad)
     fresh_mount.stop()
     refused = kvfs("verify", str(fresh_mount.path), check=False)  # the bare mountpoint
-    assert refused.returncode == 1 and "neither in a kvfs mount" in refused.stderr
+    assert refused.returncode == 2 and "neither in a kvfs mount" in refused.stderr
     result = kvfs("verify", "--json", str(fresh_mount.backing), check=False)
     report = json.loads(result.stdout)
     assert report["files"] == 4 and report["bad"] == [str(bad)]

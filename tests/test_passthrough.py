@@ -172,7 +172,7 @@ def test_the_scrub_finds_a_byte_flipped_after_verification(tmp_path: Path) -> No
             time.sleep(0.05)
         usage = json.loads((mount.path / ".kvfs" / "usage.json").read_bytes())
         assert usage["scrub"]["failures"] == 1 and usage["checksum_failures"] == 1
-        assert usage["scrub"]["files"] >= 4 and usage["counters"]["reads"] == 4  # no reads
+        assert usage["scrub"]["files"] >= 1 and usage["counters"]["reads"] == 4  # no reads
         assert len(os.listdir(mount.backing / ".kvfs" / "quarantine")) == 1
         for key in (0, 1, 3):
             assert vllm_io.load(paths[key], ROW) == vllm_io.chunk_bytes(key, ROW)

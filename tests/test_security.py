@@ -190,7 +190,7 @@ def test_mount_metrics_address_is_an_explicit_choice(
     stop_after.append(make_mount(tmp_path, *options).start())
     assert listeners(port) == {"0.0.0.0"}
     refused = kvfs("mount", str(tmp_path), "--metrics-address", "every interface", check=False)
-    assert refused.returncode == 1 and "metrics address" in refused.stderr
+    assert refused.returncode == 2 and "metrics address" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
 
 
@@ -282,7 +282,7 @@ def test_unknown_mount_options_are_refused(tmp_path: Path, option: str, words: s
         "mount", str(mount.path), "--backing", str(mount.backing), "-o", option, check=False
     )
     lines = result.stderr.strip().splitlines()
-    assert result.returncode == 1 and len(lines) == 1 and words in lines[0], lines
+    assert result.returncode == 2 and len(lines) == 1 and words in lines[0], lines
     assert mountctl.mount_stack(str(mount.path)) == []
 
 
@@ -312,7 +312,7 @@ def test_daemon_log_is_never_a_symlink_target(tmp_path: Path) -> None:
     log.symlink_to(target)
     try:
         result = kvfs("mount", str(mount.path), "--backing", str(mount.backing), check=False)
-        assert result.returncode == 1 and "symbolic link" in result.stderr
+        assert result.returncode == 2 and "symbolic link" in result.stderr
         assert target.read_text() == "precious\n"
         assert mountctl.mount_stack(str(mount.path)) == []
     finally:
@@ -343,5 +343,5 @@ def test_umask_reaches_the_daemon(tmp_path: Path, stop_after: list[Mount]) -> No
     with open(f"/proc/{mount.pid}/cmdline", "rb") as f:
         assert b"--umask=077" in f.read().split(b"\0")
     refused = kvfs("mount", str(tmp_path / "x"), "--umask", "9", check=False)
-    assert refused.returncode == 1
+    assert refused.returncode == 2
     assert refused.stderr.strip() == "kvfs: --umask: '9' is not an octal umask (e.g. 027)"

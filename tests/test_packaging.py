@@ -1,0 +1,54 @@
+"""What `pip install 'kvfs[EXTRA]'` brings is what that part of kvfs imports (issue 14, item 11:
+the connector extra lacked numpy, which torch needs to hand tensors to the host region)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+from importlib.metadata import packages_distributions
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# Imported by a dependency, not by kvfs's own code, and needed all the same.
+INDIRECT = {"connector": {"numpy"}}  # torch warns and cannot convert tensors without it
+
+
+def imported_distributions(*folders: str) -> set[str]:
+    """The distributions whose modules the code under ``folders`` imports."""
+    owners = packages_distributions()
+    found = set()
+    for folder in folders:
+        for path in (REPO / folder).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    top = name.split(".")[0]
+                    if top not in sys.stdlib_module_names and top != "kvfs":
+                        found.update(_normal(d) for d in owners.get(top, [top]))
+    return found
+
+
+def _normal(name: str) -> str:
+    """A distribution name as pip compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared(extra: str) -> set[str]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    specs = project["dependencies"] + project["optional-dependencies"][extra]
+    return {_normal(re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0]) for spec in specs}
+
+
+@pytest.mark.parametrize("extra", ["mount", "connector"])
+def test_each_extra_declares_what_its_code_imports(extra: str) -> None:
+    needed = imported_distributions("kvfs", extra) | INDIRECT.get(extra, set())
+    assert needed - declared(extra) == set()
