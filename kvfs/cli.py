@@ -150,14 +150,18 @@ def positive(kind: Callable[[str], float]) -> Callable[[str], float]:
 
 
 def parse_age(text: str) -> float:
-    """``90``, ``90s``, ``15m``, ``2h``, ``7d`` into seconds."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    """``90s``, ``15m``, ``2h``, ``7d``, ``1w`` into seconds. The unit is required: ``5``
+    could mean seconds or days, and the wrong guess evicts everything."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
     try:
-        if text[-1] in units:
-            return float(text[:-1]) * units[text[-1]]
-        return float(text)
-    except (ValueError, IndexError):
-        raise ConfigError(f"--older-than: {text!r} is not an age (e.g. 90s, 15m, 2h, 7d)") from None
+        age = float(text[:-1]) * units[text[-1]]
+    except (ValueError, IndexError, KeyError):
+        age = -1
+    if not age > 0:
+        raise ConfigError(
+            f"--older-than: {text!r} is not an age with a unit (90s, 15m, 2h, 7d, 1w)"
+        )
+    return age
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument(
         "--capacity",
         default=MountConfig.capacity,
-        help="bytes the tier may hold, with K/M/G/T, or a percentage of the backing "
-        "filesystem (default %(default)s); past it the least valuable chunks are evicted",
+        help="bytes the tier may hold, with K/M/G/T, or a percentage of what it may have of the "
+        "backing filesystem: what kvfs holds there plus what is free at mount (default "
+        "%(default)s); past it the least valuable chunks are evicted",
     )
     mount.add_argument(
         "--eviction",
@@ -332,7 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
     drop.add_argument("mountpoint", type=Path)
     what = drop.add_mutually_exclusive_group(required=True)
     what.add_argument("--namespace", help="a directory at the root of the mount")
-    what.add_argument("--older-than", metavar="AGE", help="e.g. 90s, 15m, 2h, 7d")
+    what.add_argument(
+        "--older-than",
+        metavar="AGE",
+        help="not read for AGE: 90s, 15m, 2h, 7d, 1w (the unit is required)",
+    )
     drop.add_argument("--json", action="store_true", help="print the result as JSON")
     drop.set_defaults(run=_cmd_evict)
     return parser

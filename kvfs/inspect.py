@@ -94,9 +94,13 @@ def ls(mount: Path) -> tuple[dict[str, Any], str]:
 def du(mount: Path) -> tuple[dict[str, Any], str]:
     data = report(mount, walk=False)
     capacity, used = data["capacity"], data["used"]
+    # What a writer can still get: the mount's statfs caps the capacity's room by what the
+    # backing disk has left (other data may share it), as `df` shows.
+    st = os.statvfs(mount_of(mount))
+    data["free"] = st.f_bavail * st.f_frsize
     lines = [
         f"{human(used)} of {human(capacity)} used ({used / capacity:.1%}), "
-        f"{data['files']} files, {human(capacity - used)} free"
+        f"{data['files']} files, {human(data['free'])} free"
     ]
     rows = [["NAMESPACE", "CHUNKS", "BYTES", "SHARE"]]
     for ns in data["namespaces"]:
@@ -125,6 +129,8 @@ def evict(
     mount: Path, namespace: str | None, older_than: float | None
 ) -> tuple[dict[str, Any], str]:
     top = mount_of(mount)
+    if namespace is not None:
+        namespace = namespace_name(top, namespace)
     before = report(top, walk=False)
     request = f"namespace={namespace}" if namespace is not None else f"older-than={older_than}"
     try:
@@ -135,7 +141,30 @@ def evict(
     freed = before["used"] - after["used"]
     files = before["files"] - after["files"]
     data = {"request": request, "files": files, "bytes": freed, "used": after["used"]}
-    return data, f"evicted {files} files ({human(freed)}); {human(after['used'])} used now"
+    text = f"evicted {files} files ({human(freed)}); {human(after['used'])} used now"
+    if namespace is not None and os.getxattr(top / namespace, "user.kvfs.pinned") == b"1":
+        data["pinned"] = True  # issue 14, item 5: say why nothing went
+        text += f" ({namespace} is pinned: its chunks stay; setfattr -n user.kvfs.pin -v 0)"
+    elif namespace is not None and not files and (top / namespace / "config.json").exists():
+        chunks = sorted(p.name for p in top.glob(f"{namespace}_r*") if p.is_dir())
+        where = ", ".join(chunks) or "none yet"
+        text += f" ({namespace} holds the model's config.json; its chunks: {where})"
+    return data, text
+
+
+def namespace_name(top: Path, given: str) -> str:
+    """A namespace as the operator may write it: its name, ``name/``, or its path (absolute, or
+    relative to here) in the mount. Raises InspectError for anything else (globs included)."""
+    path = Path(given)
+    if path.is_absolute() or os.sep in given.rstrip(os.sep) or (Path.cwd() / path).exists():
+        target = (Path.cwd() / path).absolute()
+        if target.parent != top:
+            raise InspectError(f"{given!r} is not a namespace: a directory at the top of {top}")
+        return target.name
+    name = given.rstrip(os.sep)
+    if not name or any(c in name for c in "*?["):
+        raise InspectError(f"{given!r} is not a namespace name (no globs; `kvfs ls` lists them)")
+    return name
 
 
 def rates(previous: dict[str, Any], current: dict[str, Any]) -> dict[str, float]:

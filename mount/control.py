@@ -94,7 +94,10 @@ def xattrs(
     """A node's ``user.kvfs.*`` attributes, answered from memory (the kernel never caches
     xattrs): its pin; a namespace's model and totals; a file's checksum and reads; the root's
     daemon-wide figures."""
-    values = {b"user.kvfs.pinned": b"1" if node.pinned else b"0"}
+    values = {  # pin: set on this node; pinned: in effect (it, or a directory above, is pinned)
+        b"user.kvfs.pin": b"1" if node.pinned else b"0",
+        b"user.kvfs.pinned": b"1" if objects.index.pinned(node) else b"0",
+    }
     if node.is_dir and node.parent is not None and node.parent.ino == ROOT_INO:
         ns = namespaces.summary(objects.index, node)
         values[b"user.kvfs.model"] = str(ns["model"] or ns["namespace"]).encode()

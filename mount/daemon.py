@@ -102,8 +102,11 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
         orphans + engine_temps,
     )
     try:
+        # A percentage is of what the tier may have of the disk: what kvfs holds there already
+        # and what is free (a shared disk's other data is not kvfs's to count on).
         disk = store.statvfs()
-        capacity = parse_capacity(cfg.capacity, disk.f_blocks * disk.f_frsize)
+        usable = min(disk.f_blocks, disk.f_bavail) * disk.f_frsize + index.charged
+        capacity = parse_capacity(cfg.capacity, min(usable, disk.f_blocks * disk.f_frsize))
     except ConfigError as err:
         tell(f"error: {err}")
         return 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import random
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, make_mount, small_filesystem
+from tests.conftest import Mount, kvfs, make_mount, small_filesystem
 from tools import vllm_io
 
 CHUNK = 256 << 10
@@ -109,6 +110,10 @@ def test_a_directory_pin_covers_its_subtree_and_unpin_undoes_it(small_mount: Mou
     vllm_io.store(pinned, vllm_io.chunk_bytes(0, CHUNK))
     namespace = small_mount.path / "pinned-model_000000000000_r0"
     os.setxattr(namespace, "user.kvfs.pin", b"1")
+    # Issue 14, item 7: the pin in effect shows on every file below; the flag set, where it is.
+    assert os.getxattr(pinned, "user.kvfs.pinned") == b"1"
+    assert os.getxattr(pinned, "user.kvfs.pin") == b"0"
+    assert os.getxattr(namespace, "user.kvfs.pin") == b"1"
     for key in range(1, 30):
         store(small_mount, key)
     assert os.access(pinned, os.F_OK) and used(small_mount) <= CAPACITY
@@ -241,4 +246,29 @@ def test_a_full_disk_evicts_rather_than_failing_stores_while_anything_may_go(
         finally:
             for fd in held:
                 os.close(fd)
+            mount.stop()
+
+
+def test_on_a_shared_disk_the_default_capacity_and_du_count_only_what_is_free(
+    tmp_path: Path,
+) -> None:
+    """Issue 14, item 4: 90 % was of the disk's size, so `kvfs du` promised room the disk did
+    not have. A 64 MiB disk holding 40 MiB of other data leaves the tier 90 % of 24 MiB."""
+    with small_filesystem(tmp_path / "disk", "tmpfs", "size=64m") as disk:
+        (disk / "other").write_bytes(b"\1" * (40 << 20))
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        mount = Mount(tmp_path / "mnt", disk / "backing")
+        mount.path.mkdir()
+        mount.backing.mkdir()
+        mount.start()
+        try:
+            capacity = int(os.getxattr(mount.path, "user.kvfs.capacity"))
+            # (less the few blocks of the backing directory's own .kvfs/ area)
+            assert free * 0.9 - (64 << 10) <= capacity <= free * 0.9
+            du = json.loads(kvfs("du", "--json", str(mount.path)).stdout)
+            assert du["capacity"] == capacity and du["free"] <= min(capacity, free)
+            (disk / "more").write_bytes(b"\2" * (16 << 20))  # the disk fills behind the tier
+            du = json.loads(kvfs("du", "--json", str(mount.path)).stdout)
+            assert du["free"] <= os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        finally:
             mount.stop()

@@ -169,3 +169,26 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(fresh_mount: Mount) 
         cwd=REPO,
     )
     assert done.returncode == 0 and done.stderr == ""
+
+
+def test_evict_says_what_it_did_and_why_not(fresh_mount: Mount) -> None:
+    """Issue 14, item 5: an age without a unit, a glob, a trailing slash or a path, the
+    config directory, a pinned namespace."""
+    store_two_namespaces(fresh_mount)
+    mnt = str(fresh_mount.path)
+    for age in ("5", "1y", "-2h", "0s"):
+        done = kvfs("evict", mnt, f"--older-than={age}", check=False)
+        assert done.returncode == 2 and "unit" in done.stderr, (age, done.stderr)
+    assert int(os.getxattr(fresh_mount.path, "user.kvfs.used")) > 0  # nothing went
+    done = kvfs("evict", mnt, "--namespace", "llama*", check=False)
+    assert done.returncode == 2 and "no globs" in done.stderr
+    config_dir = kvfs("evict", mnt, "--namespace", "llama_aaaaaaaaaaaa").stdout
+    assert "evicted 0 files" in config_dir and "its chunks: llama_aaaaaaaaaaaa_r0" in config_dir
+    os.setxattr(fresh_mount.path / "qwen_bbbbbbbbbbbb_r0", "user.kvfs.pin", b"1")
+    pinned = kvfs("evict", mnt, "--namespace", f"{mnt}/qwen_bbbbbbbbbbbb_r0/").stdout
+    assert "evicted 0 files" in pinned and "is pinned" in pinned
+    result = json.loads(
+        kvfs("evict", "--json", mnt, "--namespace", "llama_aaaaaaaaaaaa_r0/").stdout
+    )
+    assert result["files"] == 7
+    assert json.loads(kvfs("evict", "--json", mnt, "--older-than", "1w").stdout)["files"] == 0

@@ -339,13 +339,13 @@ CONFIGS = ("no offload", "host only", "host + plain dir", "host + kvfs")
 
 
 @contextmanager
-def fs_root(config: str, work: Path) -> Iterator[Path | None]:
+def fs_root(config: str, work: Path, mount_options: list[str]) -> Iterator[Path | None]:
     """The fs tier's directory for a configuration, emptied after the run."""
     run = work / uuid.uuid4().hex[:8]
     run.mkdir(parents=True)
     try:
         if config == "host + kvfs":
-            with temporary_mount(run) as mnt:
+            with temporary_mount(run, *mount_options) as mnt:
                 yield mnt
         elif config == "host + plain dir":
             (run / "plain").mkdir()
@@ -364,7 +364,7 @@ def run_one(
     # Room for the conversations, and for the blocks new chunks pin until they are stored.
     pinned = args.device_conversations * (workload.per_turn // workload.tokens_per_block + 1)
     device_blocks = args.device_conversations * per_conversation + pinned
-    with fs_root(config, args.workdir) as root:
+    with fs_root(config, args.workdir, args.mount_options.split()) as root:
         extra: dict[str, Any] | None = None
         if config != "no offload":
             extra = {"cpu_bytes_to_use": args.host_conversations * per_conversation * chunk}
@@ -449,6 +449,12 @@ def main() -> int:
     parser.add_argument("--host-conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--workdir", type=Path, default=Path("/var/tmp/kvfs-bench"))
+    parser.add_argument(
+        "--mount-options",
+        default="--verify first-read",
+        help="options of the kvfs mount (default: %(default)s, so that --session auto takes "
+        "kvfs's own session with passthrough where it may)",
+    )
     parser.add_argument("--plot", default="docs/bench_conversations.png", help="PNG ('' for none)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--replot", type=Path, help="summarise and plot a --json output again")
