@@ -317,13 +317,12 @@ class BackingStore:
         finally:
             os.close(fd)
 
-    def save_recency(self, fd: int, last_read_ns: int, hits: int) -> None:
-        """Persist a read (``fd`` is this call's own: it is closed here)."""
-        try:
-            if self.xattrs:
-                os.setxattr(fd, RECENCY_XATTR, b"%d %d" % (last_read_ns, hits))
-        finally:
-            os.close(fd)
+    def save_recency(self, rel: bytes, last_read_ns: int, hits: int) -> None:
+        """Persist a read. The file may have gone (or moved) since: then there is nothing to
+        keep."""
+        if self.xattrs:
+            with contextlib.suppress(FileNotFoundError):
+                os.setxattr(self.abs(rel), RECENCY_XATTR, b"%d %d" % (last_read_ns, hits))
 
     def save_pinned(self, rel: bytes, pinned: bool) -> None:
         path = self.abs(rel)

@@ -57,7 +57,11 @@ def render(ino: int, report: Callable[[bool], dict[str, Any]]) -> bytes:
 
 
 def report(
-    objects: Objects, scrub: ScrubStats, lookups: dict[int, Counter[str]], walk: bool
+    objects: Objects,
+    scrub: ScrubStats,
+    session: dict[str, object],
+    lookups: dict[int, Counter[str]],
+    walk: bool,
 ) -> dict[str, Any]:
     """The daemon's state for `kvfs ls`/`du`/`top` (``walk`` adds what needs every file)."""
     index, evictor = objects.index, objects.evictor
@@ -79,6 +83,7 @@ def report(
         "checksum_failures": objects.checksum_failures,
         "deadline_expiries": objects.deadline_expiries,
         "scrub": dataclasses.asdict(scrub),
+        "session": session,
         "queues": {
             q.value: {"waiting": objects.pool.depth(q), "running": objects.pool.busy[q]}
             for q in Queue

@@ -69,6 +69,7 @@ import struct
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -82,6 +83,10 @@ from kvfs.mount.fuse_abi import InitFlag, NotifyCode, Opcode, OpenFlag, SetattrV
 log = logging.getLogger(__name__)
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+# Backing files kept registered after their last handle, for reopens without I/O (each holds
+# one open file in the kernel).
+IDLE_BACKINGS = 1024
+
 # 1 MiB WRITE requests (256 pages, the kernel's fs.fuse.max_pages_limit default).
 MAX_WRITE = 1 << 20
 
@@ -161,10 +166,13 @@ class PassthroughFileInfo(pyfuse3.FileInfo):
     ``backing_id``: instead, an id the operations registered themselves with
     ``KernelSession.open_backing``; they own it and close it with ``close_backing``.
 
+    ``reuse``: instead, the backing file the session still holds for this inode from an
+    earlier open (``KernelSession.holds_backing``): the operations open nothing.
+
     It is a ``pyfuse3.FileInfo``, so the pyfuse3 session takes it too (and serves the handle).
     """
 
-    __slots__ = ("backing_fd", "backing_id")
+    __slots__ = ("backing_fd", "backing_id", "reuse")
 
     def __new__(cls, *args: Any, **kwargs: Any) -> PassthroughFileInfo:
         # pyfuse3's FileInfo is a Cython class whose constructor takes only its own fields:
@@ -179,11 +187,13 @@ class PassthroughFileInfo(pyfuse3.FileInfo):
         nonseekable: bool = False,
         backing_fd: int | None = None,
         backing_id: int | None = None,
+        reuse: bool = False,
     ) -> None:
         self.fh, self.direct_io, self.keep_cache = fh, direct_io, keep_cache
         self.nonseekable = nonseekable
         self.backing_fd = backing_fd
         self.backing_id = backing_id
+        self.reuse = reuse
 
 
 class ReaddirToken:
@@ -455,6 +465,7 @@ class _Backing:
     backing_id: int
     file: tuple[int, int]  # st_dev, st_ino
     refs: int = 0
+    stale: bool = False  # its inode's bytes changed: no new open may use it
 
 
 @dataclass
@@ -462,6 +473,7 @@ class _Stats:
     passthrough_opens: int = 0
     served_opens: int = 0
     backing_refused: int = 0
+    backing_reused: int = 0  # passthrough opens on a backing file kept from an earlier open
     errors: dict[int, int] = field(default_factory=dict)
 
 
@@ -523,6 +535,9 @@ class KernelSession:
         # The backing files registered for each inode's open handles, by file; the handles.
         self._inode_backing: dict[int, dict[tuple[int, int], _Backing]] = {}
         self._handle_backing: dict[tuple[int, int], list[_Backing]] = {}
+        # Backing files no handle uses now, kept registered (least recently used first) so
+        # that the next open of a hot chunk costs the daemon no I/O and the kernel no ioctl.
+        self._idle: OrderedDict[int, _Backing] = OrderedDict()
         self._handlers: dict[int, Callable[[_Request], Awaitable[None]]] = {
             Opcode.LOOKUP: self._lookup,
             Opcode.FORGET: self._forget,
@@ -680,6 +695,7 @@ class KernelSession:
                 os.close(fd)
         self._inode_backing.clear()  # the kernel dropped every backing id with the connection
         self._handle_backing.clear()
+        self._idle.clear()
         path, self.mountpoint = self.mountpoint, None
         devices = _mount_devices(path) if unmount and path is not None else []
         if path is not None and self._dev in devices:
@@ -753,10 +769,17 @@ class KernelSession:
         """The backing id to answer an open of ``ino`` with, or 0 to serve it."""
         backing_id: int | None = getattr(fi, "backing_id", None)
         backing_fd: int | None = getattr(fi, "backing_fd", None)
-        if not self.passthrough or (backing_id is None and backing_fd is None):
+        reuse: bool = getattr(fi, "reuse", False)
+        if not self.passthrough or (backing_id is None and backing_fd is None and not reuse):
             return 0
         if backing_id is not None:  # registered (and owned) by the operations
             return backing_id
+        if reuse:
+            backing = self._held(ino)
+            if backing is None:  # dropped since the operations asked: served
+                return 0
+            self.stats.backing_reused += 1
+            return self._use(ino, fi.fh, backing)
         assert backing_fd is not None
         try:
             st = os.fstat(backing_fd)
@@ -768,9 +791,33 @@ class KernelSession:
         except OSError as err:  # the open goes on, served: its handle exists by now
             self._backing_refused(err)
             return 0
+        return self._use(ino, fi.fh, backing)
+
+    def _use(self, ino: int, fh: int, backing: _Backing) -> int:
+        if backing.refs == 0 and self._idle.get(ino) is backing:
+            del self._idle[ino]
         backing.refs += 1
-        self._handle_backing.setdefault((ino, fi.fh), []).append(backing)
+        self._handle_backing.setdefault((ino, fh), []).append(backing)
         return backing.backing_id
+
+    def _held(self, ino: int) -> _Backing | None:
+        """The one current backing file the session holds for ``ino``, if it holds one."""
+        registered = [b for b in self._inode_backing.get(ino, {}).values() if not b.stale]
+        return registered[0] if len(registered) == 1 else None
+
+    def holds_backing(self, ino: int) -> bool:
+        """Whether an open of ``ino`` may pass through without a backing fd (``reuse``)."""
+        return self.passthrough and self._held(ino) is not None
+
+    def forget_backing(self, ino: int) -> None:
+        """The bytes of ``ino`` changed or went (a new version, an eviction, a quarantine):
+        no later open may reuse what the session holds for it, and what no handle uses is
+        dropped now (the kernel's reference would keep an evicted file's space)."""
+        for backing in list(self._inode_backing.get(ino, {}).values()):
+            backing.stale = True
+            if backing.refs == 0:
+                self._idle.pop(ino, None)
+                self._drop(ino, backing)
 
     def _backing_refused(self, err: OSError) -> None:
         self.stats.backing_refused += 1
@@ -796,6 +843,18 @@ class KernelSession:
         backing.refs -= 1
         if backing.refs:
             return
+        if backing.stale:
+            self._drop(ino, backing)
+            return
+        previous = self._idle.pop(ino, None)  # one idle backing per inode: the newest
+        if previous is not None and previous is not backing:
+            self._drop(ino, previous)
+        self._idle[ino] = backing
+        while len(self._idle) > IDLE_BACKINGS:
+            old_ino, old = self._idle.popitem(last=False)
+            self._drop(old_ino, old)
+
+    def _drop(self, ino: int, backing: _Backing) -> None:
         registered = self._inode_backing.get(ino, {})
         if registered.get(backing.file) is backing:
             del registered[backing.file]

@@ -7,15 +7,23 @@ from kvfs import namespaces
 from kvfs.index import Index, Node
 from kvfs.mount.events import MountEvents, block_of
 from kvfs.mount.invalidator import Invalidator
+from kvfs.mount.kernel_session import FuseSession, KernelSession
 
 
 class MountListener:
     """The object layer's ``Listener`` for a mounted tree."""
 
-    def __init__(self, index: Index, invalidator: Invalidator, events: MountEvents | None) -> None:
+    def __init__(
+        self,
+        index: Index,
+        invalidator: Invalidator,
+        events: MountEvents | None,
+        session: FuseSession,
+    ) -> None:
         self.index = index
         self.invalidator = invalidator
         self.events = events
+        self.session = session
 
     def close(self) -> None:
         if self.events is not None:
@@ -27,6 +35,7 @@ class MountListener:
 
     def removed(self, node: Node) -> None:
         self._chunk_event(node, stored=False)
+        self._bytes_changed(node)
 
     def name_gone(self, parent: Node, name: bytes, node: Node) -> None:
         self.invalidator.entry(parent.ino, name, node.ino)
@@ -39,6 +48,15 @@ class MountListener:
 
     def content_changed(self, node: Node) -> None:
         self.invalidator.inode(node.ino)
+        self._bytes_changed(node)
+
+    def released(self, node: Node) -> None:
+        self._bytes_changed(node)
+
+    def _bytes_changed(self, node: Node) -> None:
+        """No later open may pass through to the backing file the session kept for it."""
+        if isinstance(self.session, KernelSession):
+            self.session.forget_backing(node.ino)
 
     def _chunk_event(self, node: Node, stored: bool) -> None:
         """Tell routers a chunk appeared or went (only names that are chunk files)."""

@@ -88,6 +88,9 @@ class Listener(Protocol):
     def content_changed(self, node: Node) -> None:
         """A new version replaced the bytes in place: cached pages must go."""
 
+    def released(self, node: Node) -> None:
+        """The kernel and every handle let go of a node that left the tree."""
+
 
 @dataclass(frozen=True)
 class Prepared:
@@ -371,6 +374,7 @@ class Objects:
 
     def _released(self, node: Node) -> None:
         """The kernel and every handle let go of a node that left the tree: free its bytes."""
+        self.listener.released(node)
         if node.on_backing and not node.is_dir:
             self.io.submit(Queue.WRITE, self.store.discard, layout.unlinked_path(node.ino))
 
@@ -512,7 +516,7 @@ class Objects:
         if ws.failed is not None:
             raise fail(ws.failed)
         if ws.file is not None:  # a passthrough file's write the kernel sent us after all
-            await self.bounded(partial(self._on_tmp, ws.file, _pwrite_all, data, offset))
+            await self._on_tmp(ws.file, _pwrite_all, data, offset)
             ws.changed()
             node.mtime_ns = node.ctime_ns = time.time_ns()
             return
@@ -658,8 +662,13 @@ class Objects:
         return await self.io.read(self.store.version, ws.file.fd)
 
     def _discard(self, ws: WriteState, prepared: Prepared) -> None:
-        """Let prepared bytes go (a passthrough file's temp file stays: its writers have it)."""
+        """Let prepared bytes go, and the room held for them."""
         self.evictor.release(prepared.held)
+        self._discard_tmp(ws, prepared)
+
+    def _discard_tmp(self, ws: WriteState, prepared: Prepared) -> None:
+        """Remove the temp file of prepared bytes (a passthrough file's stays: its writers and
+        readers have it; it goes with the write state)."""
         if ws.file is None and prepared.published is not None:
             self.io.submit(Queue.WRITE, self.store.discard, prepared.published.tmp)
 
@@ -704,13 +713,14 @@ class Objects:
         assert pub is not None
         async with self._ns:
             if not node.attached:  # unlinked while open: the bytes have no name to take
-                self._discard(ws, prepared)
+                node.size, node.blocks = pub.size, pub.blocks  # what its readers still read
+                self._discard_tmp(ws, prepared)  # the room held: released by _publish
                 return False
             rel = self.index.path(node)
             try:
                 await self.io.read(self.store.rename, pub.tmp, rel)
             except BaseException:
-                self._discard(ws, prepared)
+                self._discard_tmp(ws, prepared)
                 raise
             attrs = self._file_attrs(node)
             if attrs != prepared.attrs:  # chmod, chown, touch after its close
@@ -831,16 +841,21 @@ class Objects:
     async def _read_unpublished(self, ws: WriteState, offset: int, size: int) -> bytes:
         if ws.file is None:  # a copy, now: the buffer may change, or go, at the next await
             return bytes(ws.buffer.read(offset, size))
-        return await self.bounded(partial(self._on_tmp, ws.file, os.pread, size, offset))
+        return await self._on_tmp(ws.file, os.pread, size, offset)
 
     async def _on_tmp(self, file: TmpFile, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(fd, *args)`` on the I/O pool with a descriptor of its own: the write state
-        may close ``file.fd`` (and the number be reused) while this waits."""
+        """``fn(fd, *args)`` on the I/O pool, within the deadline, on a descriptor of its own,
+        taken now and closed after ``fn``: the write state may close ``file.fd`` (and its
+        number be reused) while this waits, or after its caller gave up."""
         fd = os.dup(file.fd)
-        try:
-            return await self.io.write(fn, fd, *args)
-        finally:
-            self.close_later(fd)
+
+        def run() -> T:
+            try:
+                return fn(fd, *args)
+            finally:
+                os.close(fd)
+
+        return await self.bounded(partial(self.io.write, run))
 
     def passthrough_fd(self, node: Node) -> int | None:
         """The temp file the kernel writes a passthrough file into, while it is written: every
@@ -869,22 +884,30 @@ class Objects:
         ws = self.writes.get(node.ino)
         if ws is not None:
             return None if ws.file is None else Reader(os.dup(ws.file.fd), None, unpublished=True)
-        if not node.on_backing:
-            # Evicted or quarantined after the kernel resolved the name: the VFS looks the
-            # name up afresh on ESTALE, and finds it gone.
-            raise fail(errno.ESTALE)
+        self._check_published(node)
         reader = await self.bounded(
             partial(self._open_backing, node, not passthrough),
             undo=lambda late: self.close_later(late.fd),
         )
-        # A read, for eviction: counted at open, since the kernel's page cache may answer the
-        # reads themselves. Persisted so that the order survives a restart.
+        self.count_read(node)
+        return reader
+
+    @staticmethod
+    def _check_published(node: Node) -> None:
+        if not node.on_backing:
+            # Evicted or quarantined after the kernel resolved the name: the VFS looks the
+            # name up afresh on ESTALE, and finds it gone.
+            raise fail(errno.ESTALE)
+
+    def count_read(self, node: Node) -> None:
+        """A read of a published file, for eviction: counted at open, since the kernel's page
+        cache (or passthrough) answers the reads themselves. Persisted, so that the order
+        survives a restart. ESTALE if the file went after the kernel resolved its name."""
+        self._check_published(node)
         self.index.read(node, time.time_ns())
         self.counters["reads"] += 1
-        self.io.submit(
-            Queue.WRITE, self.store.save_recency, os.dup(reader.fd), node.last_read_ns, node.hits
-        )
-        return reader
+        rel = self._backing_rel(node)
+        self.io.submit(Queue.WRITE, self.store.save_recency, rel, node.last_read_ns, node.hits)
 
     async def _open_backing(self, node: Node, direct: bool = True) -> Reader:
         """The exact version the index describes, and the checksum of that version."""

@@ -64,7 +64,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.index = index
         self.session = session
         events = MountEvents(cfg.events) if cfg.events else None
-        self.listener = MountListener(index, Invalidator(session), events)
+        self.listener = MountListener(index, Invalidator(session), events, session)
         self.objects = Objects(cfg, store, index, capacity, self.listener)
         self.scrub = Scrub(self.objects, cfg.scrub_bytes_per_second)
         self.metrics = Metrics()
@@ -74,7 +74,8 @@ class KvfsOperations(pyfuse3.Operations):
             setattr(self, name, self.metrics.timed(name, contained(name, getattr(self, name))))
 
     def report(self, walk: bool) -> dict[str, Any]:
-        return control.report(self.objects, self.scrub.stats, self.lookups, walk)
+        session = sessions.report(self.session)
+        return control.report(self.objects, self.scrub.stats, session, self.lookups, walk)
 
     def close(self) -> None:
         self.listener.close()
@@ -351,6 +352,15 @@ class KvfsOperations(pyfuse3.Operations):
             )
         )
         handle = Handle(node, writable=False, passthrough=passthrough)
+        published = node.on_backing and node.ino not in self.objects.writes  # as it stands
+        if passthrough and published and sessions.holds_backing(self.session, node.ino):
+            # The kernel still holds this version's backing file from an earlier open: the
+            # reopen of a hot chunk costs no I/O, here or in the kernel.
+            self.objects.count_read(node)
+            if node.parent is not None:
+                self._count_lookup(node.parent, "hit")
+            fh = self.handles.open_file(handle)
+            return PassthroughFileInfo(fh, keep_cache=True, reuse=True)
         handle.reader = await self.objects.open_read(node, passthrough)
         if handle.reader is not None and not handle.reader.unpublished and node.parent:
             self._count_lookup(node.parent, "hit")

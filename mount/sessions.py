@@ -60,6 +60,27 @@ def passthrough(session: FuseSession) -> bool:
     return isinstance(session, KernelSession) and session.passthrough
 
 
+def holds_backing(session: FuseSession, ino: int) -> bool:
+    """Whether the session can pass an open of ``ino`` through to a backing file it still
+    holds (the kernel session keeps those of recent opens)."""
+    return isinstance(session, KernelSession) and session.holds_backing(ino)
+
+
+def report(session: FuseSession) -> dict[str, object]:
+    """Which session serves the mount and, for kvfs's own, how its opens went."""
+    if not isinstance(session, KernelSession):
+        return {"name": "pyfuse3", "passthrough": False}
+    stats = session.stats
+    return {
+        "name": "kernel",
+        "passthrough": session.passthrough,
+        "passthrough_opens": stats.passthrough_opens,
+        "served_opens": stats.served_opens,
+        "backing_reused": stats.backing_reused,
+        "backing_refused": stats.backing_refused,
+    }
+
+
 def describe(session: FuseSession, cfg: MountConfig) -> str:
     if cfg.verify == "first-read" and passthrough(session):
         return "reads pass through to the backing files once a chunk is verified"

@@ -16,7 +16,7 @@ import pytest
 
 from kvfs import checksum
 from tests import vllm_tier
-from tests.conftest import Mount, make_mount
+from tests.conftest import Mount, make_mount, small_filesystem
 from tests.test_integrity import flip_byte
 from tools import vllm_io
 
@@ -178,3 +178,32 @@ def test_the_scrub_finds_a_byte_flipped_after_verification(tmp_path: Path) -> No
             assert vllm_io.load(paths[key], ROW) == vllm_io.chunk_bytes(key, ROW)
     finally:
         mount.stop()
+
+
+def test_a_hot_chunk_reopens_without_io_and_its_space_goes_with_it(tmp_path: Path) -> None:
+    """The session keeps a chunk's backing file registered after its last close, so the next
+    open needs no I/O; the file's eviction or unlink drops it (else the kernel's reference
+    would hold the disk space of a deleted file)."""
+    with small_filesystem(tmp_path / "disk", "tmpfs", "size=96m") as disk:
+        mount = Mount(tmp_path / "mnt", disk / "backing", ("--session", "kernel"))
+        mount.options += ("--verify", "first-read", "--scrub-rate", "0")
+        mount.path.mkdir()
+        mount.backing.mkdir()
+        mount.start()
+        try:
+            path = mount.path / "big"
+            path.write_bytes(os.urandom(32 << 20))
+            mount.settle()
+            for _ in range(3):
+                assert len(path.read_bytes()) == 32 << 20
+            usage = json.loads((mount.path / ".kvfs" / "usage.json").read_bytes())
+            assert usage["session"]["backing_reused"] >= 2 and served_bytes(mount) == 0
+            assert usage["counters"]["reads"] == 3  # reopens still count as reads
+            before = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+            path.unlink()  # the bytes go once the kernel forgets the name's inode
+            deadline = time.monotonic() + 10
+            while os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize - before < 32 << 20:
+                assert time.monotonic() < deadline, "something held a deleted chunk's space"
+                time.sleep(0.05)
+        finally:
+            mount.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import stat
 import subprocess
@@ -115,6 +116,23 @@ def test_unlink_while_open_keeps_the_reader_and_frees_the_name(kv_mount: Mount, 
         assert not (d / "f").exists()
         assert not (kv_mount.backing / d.name / "f").exists()
         assert reader.read() == b"data" * 4096
+    # Room held for it is given back once (it was given back twice when it was never published)
+    kv_mount.settle()
+    usage = json.loads((kv_mount.path / ".kvfs" / "usage.json").read_bytes())
+    assert usage["reserved"] == 0
+
+
+def test_a_file_unlinked_before_its_publish_leaves_the_accounting_exact(
+    kv_mount: Mount, d: Path
+) -> None:
+    before = json.loads((kv_mount.path / ".kvfs" / "usage.json").read_bytes())
+    with open(d / "f", "wb") as writer:
+        writer.write(b"x" * 40960)
+        os.unlink(d / "f")  # its close reserves room, its release finds no name to publish
+    kv_mount.settle()
+    after = json.loads((kv_mount.path / ".kvfs" / "usage.json").read_bytes())
+    assert (after["used"], after["reserved"]) == (before["used"], 0)
+    assert not os.listdir(kv_mount.backing / ".kvfs" / "tmp")
 
 
 def test_mkdir_rmdir_readdir(d: Path) -> None:
@@ -213,6 +231,7 @@ def test_du_and_df_tell_the_truth(kv_mount: Mount, d: Path) -> None:
     assert int(du.stdout.split()[0]) == (1 << 20) + 12288
     blocks = sum(os.stat(kv_mount.on_backing(d / n)).st_blocks for n in "ab")
     assert sum(os.stat(d / n).st_blocks for n in "ab") == blocks
+    kv_mount.settle()
     mine, backing = os.statvfs(kv_mount.path), os.statvfs(kv_mount.backing)
     capacity = int(os.getxattr(kv_mount.path, "user.kvfs.capacity"))
     used = int(os.getxattr(kv_mount.path, "user.kvfs.used"))
