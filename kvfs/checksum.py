@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import threading
 
 import xxhash
 
@@ -20,22 +21,36 @@ def checksum(data: bytes | bytearray | memoryview) -> str:
     return PREFIX + xxhash.xxh3_64_hexdigest(data)
 
 
-def of_file(fd: int, block: int = 1 << 20) -> tuple[str, int]:
-    """The checksum of an open file's bytes as they are now, and how many there were. Reads
-    whole aligned blocks into page-aligned memory, so ``fd`` may be opened O_DIRECT."""
+def of_file(fd: int) -> tuple[str, int]:
+    """The checksum of an open file's bytes as they are now, and how many there were, hashed
+    where they lie in the page cache (mapped, not copied: the file was just written)."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return checksum(b""), 0
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
+        mapped.madvise(mmap.MADV_SEQUENTIAL)
+        with memoryview(mapped) as view:
+            return checksum(view), size
+
+
+_buffers = threading.local()  # each I/O thread's aligned read buffer, made once
+
+
+def of_file_direct(fd: int, block: int = 1 << 20) -> tuple[str, int]:
+    """``of_file`` for an fd opened O_DIRECT (past the page cache: what the disk holds), read
+    in whole aligned blocks into page-aligned memory."""
+    buf = getattr(_buffers, "block", None)
+    if buf is None or len(buf) != block:
+        buf = _buffers.block = mmap.mmap(-1, block, flags=mmap.MAP_PRIVATE)
     digest = xxhash.xxh3_64()
     size = 0
-    with mmap.mmap(-1, block) as buf:
-        view = memoryview(buf)
-        try:
-            while True:
-                count = os.preadv(fd, [view], size)
-                digest.update(view[:count])
-                size += count
-                if count < block:  # the end (read on there, O_DIRECT would be unaligned)
-                    break
-        finally:
-            view.release()
+    with memoryview(buf) as view:
+        while True:
+            count = os.preadv(fd, [view], size)
+            digest.update(view[:count])
+            size += count
+            if count < block:  # the end (read on there, O_DIRECT would be unaligned)
+                break
     return PREFIX + digest.hexdigest(), size
 
 

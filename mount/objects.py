@@ -963,7 +963,7 @@ class Objects:
             return None
         reader = await self._open_backing(node)
         try:
-            digest, size = await self.io.read(checksum.of_file, reader.fd)
+            digest, size = await self.io.read(checksum.of_file_direct, reader.fd)
         finally:
             self.close_later(reader.fd)
         if reader.checksum is not None and digest != reader.checksum:
