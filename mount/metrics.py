@@ -127,7 +127,9 @@ class _SnapshotCollector:
         )
         yield _counter("kvfs_written_bytes", "Bytes published", counters.get("bytes_written", 0))
         lookups = CounterMetricFamily(
-            "kvfs_lookups", "Chunk lookups the daemon answered", labels=["result"]
+            "kvfs_lookups",
+            "Chunks opened for reading (hit), lookups of chunk names no store followed (miss)",
+            labels=["result"],
         )
         for result in ("hit", "miss"):
             lookups.add_metric([result], s["lookups"][result])

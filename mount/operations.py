@@ -15,14 +15,13 @@ import errno
 import inspect
 import os
 import stat
-from collections import Counter, defaultdict
 from functools import partial
 from typing import Any
 
 import pyfuse3
 from pyfuse3 import FUSEError
 
-from kvfs import layout, namespaces, process
+from kvfs import layout, process
 from kvfs.buffers import ALIGN
 from kvfs.config import MountConfig
 from kvfs.index import ROOT_INO, Index, Node
@@ -33,6 +32,7 @@ from kvfs.mount.handles import Handle, Handles
 from kvfs.mount.invalidator import Invalidator
 from kvfs.mount.kernel_session import FuseSession, PassthroughFileInfo
 from kvfs.mount.listener import MountListener
+from kvfs.mount.lookups import LookupCounts
 from kvfs.mount.metrics import Metrics
 from kvfs.mount.objects import Objects
 from kvfs.mount.scrub import Scrub
@@ -69,13 +69,14 @@ class KvfsOperations(pyfuse3.Operations):
         self.scrub = Scrub(self.objects, cfg.scrub_bytes_per_second)
         self.metrics = Metrics()
         self.handles = Handles()
-        self.lookups: defaultdict[int, Counter[str]] = defaultdict(Counter)  # per namespace
+        self.lookups = LookupCounts()
         for name in FUSE_HANDLERS:  # pyfuse3 calls the instance's attributes
             setattr(self, name, self.metrics.timed(name, contained(name, getattr(self, name))))
 
     def report(self, walk: bool) -> dict[str, Any]:
         session = sessions.report(self.session)
-        return control.report(self.objects, self.scrub.stats, session, self.lookups, walk)
+        lookups = self.lookups.by_namespace
+        return control.report(self.objects, self.scrub.stats, session, lookups, walk)
 
     def close(self) -> None:
         self.listener.close()
@@ -170,7 +171,7 @@ class KvfsOperations(pyfuse3.Operations):
         else:
             node = self.index.child(parent, name)
         if node is None:
-            self._count_lookup(parent, "miss")
+            self.lookups.miss(parent, name)
             # A negative entry: the kernel caches the miss, so repeated exists() on a cold
             # cache never reach the daemon. Every create goes through us and replaces it.
             miss = pyfuse3.EntryAttributes()
@@ -187,13 +188,6 @@ class KvfsOperations(pyfuse3.Operations):
         if control.is_control(inode):
             return control.attrs(inode, self.cfg.cache_timeout)
         return self._attrs(self._node(inode))
-
-    def _count_lookup(self, parent: Node, result: str) -> None:
-        """Per namespace: a hit is a chunk opened for reading; a miss, a name the daemon was
-        asked for and does not have (the kernel answers repeated misses itself, uncounted)."""
-        top = namespaces.top_level(parent) if parent.ino != ROOT_INO else None
-        if top is not None:
-            self.lookups[top.ino][result] += 1
 
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
         self._node(inode)
@@ -233,6 +227,7 @@ class KvfsOperations(pyfuse3.Operations):
         new_parent = self._new_dir(parent_inode_new, name_new)
         noreplace = bool(flags & pyfuse3.RENAME_NOREPLACE)
         await self.objects.rename(old_parent, name_old, new_parent, name_new, noreplace)
+        self.lookups.made(new_parent, name_new)
 
     async def link(
         self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
@@ -242,6 +237,7 @@ class KvfsOperations(pyfuse3.Operations):
         if node.is_dir:
             raise FUSEError(errno.EPERM)
         await self.objects.link(node, new_parent, new_name)
+        self.lookups.made(new_parent, new_name)
         return self._entry(node)
 
     async def symlink(
@@ -319,6 +315,7 @@ class KvfsOperations(pyfuse3.Operations):
         )
         if not created:
             return await self.open(node.ino, flags, ctx), self._entry(node)
+        self.lookups.made(parent, name)
         handle = Handle(node, True, process.thread_group(ctx.pid), passthrough=passthrough)
         return self._file_info(handle), self._entry(node)
 
@@ -358,12 +355,12 @@ class KvfsOperations(pyfuse3.Operations):
             # reopen of a hot chunk costs no I/O, here or in the kernel.
             self.objects.count_read(node)
             if node.parent is not None:
-                self._count_lookup(node.parent, "hit")
+                self.lookups.hit(node.parent)
             fh = self.handles.open_file(handle)
             return PassthroughFileInfo(fh, keep_cache=True, reuse=True)
         handle.reader = await self.objects.open_read(node, passthrough)
         if handle.reader is not None and not handle.reader.unpublished and node.parent:
-            self._count_lookup(node.parent, "hit")
+            self.lookups.hit(node.parent)
         # O_DIRECT needs nothing special: the kernel bypasses its cache for that file descriptor
         # and sends READs of up to 1 MiB, each answered in full from the verified buffer. A file
         # published again in place is read past the page cache, which holds one version only.

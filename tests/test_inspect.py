@@ -66,11 +66,12 @@ def test_xattrs_ls_du_and_stat_report_exact_counts(fresh_mount: Mount) -> None:
     assert "org/llama" in kvfs("ls", str(fresh_mount.path)).stdout
 
     # Reads show up as hits, in the chunk's xattrs and in the namespace's hit rate.
-    before = rows["qwen_bbbbbbbbbbbb_r0"]["lookups"]  # the stores' exists() checks: misses
+    before = rows["qwen_bbbbbbbbbbbb_r0"]["lookups"]  # 0: a store's own lookups are not misses
     path = vllm_io.chunk_path(str(fresh_mount.path), 0, namespace="qwen_bbbbbbbbbbbb")
     for _ in range(3):
         vllm_io.load(path, CHUNK)
-    assert not os.path.exists(path + ".missing")
+    missing = vllm_io.chunk_path(str(fresh_mount.path), 999, namespace="qwen_bbbbbbbbbbbb")
+    assert not os.path.exists(missing)  # a chunk name asked for and never stored: a miss
     stat = json.loads(kvfs("stat", "--json", path).stdout)
     assert stat["hits"] == 3 and stat["size"] == CHUNK and stat["checksum"].startswith("xxh3")
     rows = {
@@ -192,3 +193,20 @@ def test_evict_says_what_it_did_and_why_not(fresh_mount: Mount) -> None:
     )
     assert result["files"] == 7
     assert json.loads(kvfs("evict", "--json", mnt, "--older-than", "1w").stdout)["files"] == 0
+
+
+def test_the_hit_rate_counts_real_misses_only(fresh_mount: Mount) -> None:
+    """Issue 14, item 3: a store's exists() check, its temp name and its mkdir -p steps were
+    misses (50 stores and 3 real misses gave 159). Now: lookups of chunk names that no store
+    of that name followed, and chunks opened for reading."""
+    root = str(fresh_mount.path)
+    for key in range(50):
+        vllm_io.store(vllm_io.chunk_path(root, key), vllm_io.chunk_bytes(key, 4096))
+    for key in (100, 101, 102):  # asked for, never stored
+        assert not os.access(vllm_io.chunk_path(root, key), os.F_OK)
+    for key in (1, 2):
+        assert vllm_io.load(vllm_io.chunk_path(root, key), 4096) == vllm_io.chunk_bytes(key, 4096)
+    usage = json.loads((fresh_mount.path / ".kvfs" / "usage.json").read_bytes())
+    assert usage["lookups"] == {"hit": 2, "miss": 3}
+    ns = {n["namespace"]: n for n in usage["namespaces"]}[f"{vllm_io.NAMESPACE}_r0"]
+    assert (ns["lookups"], ns["hit_rate"]) == (5, 0.4)

@@ -1,0 +1,47 @@
+"""The hit rate an operator means, per namespace: a hit is a chunk opened for reading; a miss
+is a lookup of a final chunk name (``<hash>.bin``) that no store of that name followed. A
+store's own exists() check, its temp name and each step of its mkdir -p are not misses."""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, defaultdict
+
+from kvfs import namespaces
+from kvfs.index import ROOT_INO, Node
+from kvfs.mount.events import block_of
+
+# Missed names remembered, so that a store which then makes one takes its miss back.
+RECENT_MISSES = 65536
+
+
+class LookupCounts:
+    def __init__(self) -> None:
+        self.by_namespace: defaultdict[int, Counter[str]] = defaultdict(Counter)
+        # (directory, name) -> (namespace, how many times it was missed)
+        self._missed: OrderedDict[tuple[int, bytes], tuple[int, int]] = OrderedDict()
+
+    def hit(self, parent: Node) -> None:
+        top = _namespace(parent)
+        if top is not None:
+            self.by_namespace[top.ino]["hit"] += 1
+
+    def miss(self, parent: Node, name: bytes) -> None:
+        top = _namespace(parent)
+        if top is None or block_of(name, parent.name) is None:
+            return
+        self.by_namespace[top.ino]["miss"] += 1
+        key = (parent.ino, name)
+        _, times = self._missed.pop(key, (top.ino, 0))  # the store's own lookups come twice
+        self._missed[key] = (top.ino, times + 1)
+        if len(self._missed) > RECENT_MISSES:
+            self._missed.popitem(last=False)
+
+    def made(self, parent: Node, name: bytes) -> None:
+        """A name appeared (created, renamed or linked there): a store, not a miss."""
+        top_ino, times = self._missed.pop((parent.ino, name), (0, 0))
+        if times:
+            self.by_namespace[top_ino]["miss"] -= times
+
+
+def _namespace(parent: Node) -> Node | None:
+    return namespaces.top_level(parent) if parent.ino != ROOT_INO else None
