@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -56,36 +57,34 @@ def table(rows: list[list[str]]) -> str:
     )
 
 
+def ago(iso: str | None, now: float) -> str:
+    """``12s ago``, ``5m ago``, ``3h ago``, ``2d ago``; ``never`` for no time."""
+    if iso is None:
+        return "never"
+    seconds = max(0.0, now - datetime.fromisoformat(iso).timestamp())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
 def ls(mount: Path) -> tuple[dict[str, Any], str]:
+    """One row per namespace (a model's config directory and its ``_r<rank>`` data
+    directories); model, dtype and each directory are in ``--json``."""
     data = report(mount, walk=True)
-    rows = [
-        [
-            "NAMESPACE",
-            "MODEL",
-            "DTYPE",
-            "TOK/CHUNK",
-            "CHUNKS",
-            "BYTES",
-            "TOKENS",
-            "HIT RATE",
-            "OLDEST READ",
-            "NEWEST READ",
-        ]
-    ]
+    rows = [["NAMESPACE", "RANKS", "CHUNKS", "SIZE", "TOKENS", "READS", "HIT RATE", "LAST READ"]]
     for ns in data["namespaces"]:
         rate = ns["hit_rate"]
         rows.append(
             [
                 ns["namespace"],
-                str(ns["model"] or "-"),
-                str(ns["dtype"] or "-"),
-                str(ns["tokens_per_chunk"] or "-"),
+                str(len(ns["ranks"])),
                 str(ns["chunks"]),
                 human(ns["bytes"]),
                 str(ns["tokens"] if ns["tokens"] is not None else "-"),
+                str(ns["reads"]),
                 f"{rate:.1%}" if rate is not None else "-",
-                ns["oldest_read"] or "-",
-                ns["newest_read"] or "-",
+                ago(ns["newest_read"], data["time"]),
             ]
         )
     return data, table(rows)
@@ -128,27 +127,35 @@ def stat(path: Path) -> tuple[dict[str, Any], str]:
 def evict(
     mount: Path, namespace: str | None, older_than: float | None
 ) -> tuple[dict[str, Any], str]:
+    """Evict a namespace (all its directories), one of its directories, or what was not read
+    for ``older_than`` seconds; say what went, and why nothing did when nothing did."""
     top = mount_of(mount)
-    if namespace is not None:
-        namespace = namespace_name(top, namespace)
     before = report(top, walk=False)
-    request = f"namespace={namespace}" if namespace is not None else f"older-than={older_than}"
+    if namespace is None:
+        requests = [f"older-than={older_than}"]
+    else:
+        name = namespace_name(top, namespace)
+        group = next((n for n in before["namespaces"] if n["namespace"] == name), None)
+        requests = [f"namespace={d}" for d in (group["directories"] if group else [name])]
     try:
-        os.setxattr(top, "user.kvfs.evict", request.encode())
+        for request in requests:
+            os.setxattr(top, "user.kvfs.evict", request.encode())
     except FileNotFoundError:
-        raise InspectError(f"no namespace {namespace!r} in {top}") from None
+        raise InspectError(f"no namespace {namespace!r} in {top} (`kvfs ls` lists them)") from None
     after = report(top, walk=False)
     freed = before["used"] - after["used"]
     files = before["files"] - after["files"]
-    data = {"request": request, "files": files, "bytes": freed, "used": after["used"]}
+    data = {"requests": requests, "files": files, "bytes": freed, "used": after["used"]}
     text = f"evicted {files} files ({human(freed)}); {human(after['used'])} used now"
-    if namespace is not None and os.getxattr(top / namespace, "user.kvfs.pinned") == b"1":
-        data["pinned"] = True  # issue 14, item 5: say why nothing went
-        text += f" ({namespace} is pinned: its chunks stay; setfattr -n user.kvfs.pin -v 0)"
-    elif namespace is not None and not files and (top / namespace / "config.json").exists():
-        chunks = sorted(p.name for p in top.glob(f"{namespace}_r*") if p.is_dir())
-        where = ", ".join(chunks) or "none yet"
-        text += f" ({namespace} holds the model's config.json; its chunks: {where})"
+    pinned = [
+        r.removeprefix("namespace=")
+        for r in requests
+        if r.startswith("namespace=")
+        and os.getxattr(top / r.removeprefix("namespace="), "user.kvfs.pinned") == b"1"
+    ]
+    if pinned:  # issue 14, item 5: say why chunks stayed
+        data["pinned"] = pinned
+        text += f" ({', '.join(pinned)} is pinned: its chunks stay; setfattr -n user.kvfs.pin -v 0)"
     return data, text
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from kvfs.index import Index, Node
 
 CONFIG_NAME = b"config.json"
-_DATA_DIR = re.compile(rb"^(?P<config_dir>.+)_r\d+$")
+_DATA_DIR = re.compile(rb"^(?P<config_dir>.+)_r(?P<rank>\d+)$")
 
 
 CONFIG_MAX_BYTES = 1 << 20  # a real config.json is a few hundred bytes
@@ -124,24 +124,56 @@ def summary(index: Index, top: Node) -> dict[str, Any]:
     }
 
 
+def groups(index: Index) -> dict[bytes, list[Node]]:
+    """The directories at the root by namespace: a model's config directory ``X`` with its data
+    directories ``X_r<rank>``, so one model is one namespace; any other directory alone."""
+    assert index.root.children is not None
+    tops = [node for _, node in sorted(index.root.children.items()) if node.is_dir]
+    grouped: dict[bytes, list[Node]] = {}
+    for top in tops:
+        match = _DATA_DIR.match(top.name)
+        owner = match["config_dir"] if match else top.name
+        if owner != top.name and index.child(index.root, owner) is None:
+            owner = top.name  # a data directory whose config directory is gone
+        grouped.setdefault(owner, []).append(top)
+    return grouped
+
+
 def namespaces(
     index: Index, lookups: dict[int, Counter[str]], walk: bool
 ) -> Iterator[dict[str, Any]]:
-    """One report per directory at the root. ``walk`` adds what needs every file (reads,
-    oldest and newest read); without it the report is O(namespaces)."""
-    assert index.root.children is not None
-    for _, top in sorted(index.root.children.items()):
-        if not top.is_dir:
-            continue
-        report = summary(index, top)
-        counts = lookups.get(top.ino, Counter())
+    """One report per namespace (see `groups`). ``walk`` adds what needs every file (reads,
+    oldest and newest read of the chunks read at least once); without it the report is
+    O(directories at the root)."""
+    for name, tops in groups(index).items():
+        parts = [summary(index, top) for top in tops]
+        first = next((p for p in parts if p["model"]), parts[0])
+        per_chunk = first["tokens_per_chunk"]
+        counts: Counter[str] = Counter()
+        for top in tops:
+            counts += lookups.get(top.ino, Counter())
         asked = counts["hit"] + counts["miss"]
-        report["lookups"] = asked
-        report["hit_rate"] = counts["hit"] / asked if asked else None
+        ranks = sorted(int(m["rank"]) for t in tops if (m := _DATA_DIR.match(t.name)))
+        chunks = sum(p["chunks"] for p in parts)
+        report: dict[str, Any] = {
+            "namespace": name.decode(errors="replace"),
+            "directories": [p["namespace"] for p in parts],
+            "ranks": ranks,
+            "model": first["model"],
+            "dtype": first["dtype"],
+            "tokens_per_chunk": per_chunk,
+            "chunks": chunks,
+            "bytes": sum(p["bytes"] for p in parts),
+            # Every rank holds its shard of the same tokens: count them once.
+            "tokens": max(p["chunks"] for p in parts) * per_chunk if per_chunk else None,
+            "lookups": asked,
+            "hit_rate": counts["hit"] / asked if asked else None,
+        }
         if walk:
-            files = [f for f in index.walk_files(top) if not is_namespace_config(f)]
-            reads = [f.last_read_ns for f in files if f.last_read_ns]
-            report["reads"] = sum(f.hits for f in files)
-            report["oldest_read"] = _iso(min(reads)) if reads else None
-            report["newest_read"] = _iso(max(reads)) if reads else None
+            files = [f for top in tops for f in index.walk_files(top)]
+            read = [f for f in files if f.hits and not is_namespace_config(f)]
+            report["reads"] = sum(f.hits for f in read)
+            # last_read_ns of a chunk never read is its write time (for eviction): not a read.
+            report["oldest_read"] = _iso(min(f.last_read_ns for f in read)) if read else None
+            report["newest_read"] = _iso(max(f.last_read_ns for f in read)) if read else None
         yield report

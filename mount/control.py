@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import pyfuse3
@@ -114,7 +115,7 @@ def xattrs(
         if node.checksum is not None:
             values[b"user.kvfs.checksum"] = node.checksum.encode()
         values[b"user.kvfs.hits"] = b"%d" % node.hits
-        if node.last_read_ns:
+        if node.hits:  # a chunk never read has its write time as recency: not a read
             stamp = datetime.fromtimestamp(node.last_read_ns / 1e9, UTC)
             values[b"user.kvfs.last_read"] = stamp.isoformat(timespec="milliseconds").encode()
     if node.ino == ROOT_INO:
@@ -132,9 +133,13 @@ async def set_xattr(objects: Objects, node: Node, name: bytes, value: bytes | No
     """Set (``value``) or remove (None) an attribute: ``user.kvfs.pin`` = 1 exempts a file, or
     everything under a directory, from eviction, 0 or removing it undoes that (kept with the
     backing file: it survives a restart); ``user.kvfs.evict`` on the root evicts what
-    ``kvfs evict`` asks. Raises OSError: ENOTSUP for any other name, EINVAL for another value."""
+    ``kvfs evict`` asks; ``user.kvfs.verify`` on a file checks it (see `verify`). Raises OSError:
+    ENOTSUP for any other name, EINVAL for another value."""
     if name == b"user.kvfs.evict" and node.ino == ROOT_INO and value is not None:
         await objects.evict_by_request(value.decode(errors="replace"))
+        return
+    if name == b"user.kvfs.verify" and value is not None:
+        await verify(objects, node)
         return
     if name not in (b"user.kvfs.pin", b"user.kvfs.pinned"):
         raise OSError(errno.ENOTSUP, os.strerror(errno.ENOTSUP))
@@ -142,3 +147,17 @@ async def set_xattr(objects: Objects, node: Node, name: bytes, value: bytes | No
     if flag not in (b"0", b"1"):
         raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
     await objects.set_pinned(node, flag == b"1")
+
+
+async def verify(objects: Objects, node: Node) -> None:
+    """Check a file's bytes on the backing store against its checksum, as the scrub does, for
+    `kvfs verify`: no read is counted, so hits, recency and the eviction order stay the
+    engines'. A mismatch quarantines the file and fails with EBADMSG; a file being written
+    (its publish checksums it) with EBUSY; a directory with EISDIR."""
+    if not node.is_file:
+        raise OSError(errno.EISDIR, os.strerror(errno.EISDIR))
+    outcome = await objects.bounded(partial(objects.recheck, node))
+    if outcome is None:
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+    if not outcome[1]:
+        raise OSError(errno.EBADMSG, os.strerror(errno.EBADMSG))

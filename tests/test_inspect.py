@@ -51,22 +51,23 @@ def test_xattrs_ls_du_and_stat_report_exact_counts(fresh_mount: Mount) -> None:
         assert int(du.stdout.split()[0]) == count * CHUNK
     report = json.loads(kvfs("ls", "--json", str(fresh_mount.path)).stdout)
     rows = {row["namespace"]: row for row in report["namespaces"]}
+    assert set(rows) == set(MODELS)  # one row per model: its config dir and data dir together
     for ns, (model, blocks, per_block, count) in MODELS.items():
-        row = rows[f"{ns}_r0"]
+        row = rows[ns]
+        assert row["directories"] == [ns, f"{ns}_r0"] and row["ranks"] == [0]
         assert (row["model"], row["dtype"], row["chunks"], row["bytes"]) == (
             model,
             "bfloat16",
             count,
-            count * CHUNK,
+            count * CHUNK + (fresh_mount.path / ns / "config.json").stat().st_size,
         )
         assert row["tokens_per_chunk"] == blocks * per_block
         assert row["tokens"] == count * blocks * per_block and row["reads"] == 0
     usage = json.loads(kvfs("du", "--json", str(fresh_mount.path)).stdout)
     assert usage["used"] == sum(c for *_, c in MODELS.values()) * CHUNK + 2 * 4096  # + configs
-    assert "org/llama" in kvfs("ls", str(fresh_mount.path)).stdout
 
     # Reads show up as hits, in the chunk's xattrs and in the namespace's hit rate.
-    before = rows["qwen_bbbbbbbbbbbb_r0"]["lookups"]  # 0: a store's own lookups are not misses
+    before = rows["qwen_bbbbbbbbbbbb"]["lookups"]  # 0: a store's own lookups are not misses
     path = vllm_io.chunk_path(str(fresh_mount.path), 0, namespace="qwen_bbbbbbbbbbbb")
     for _ in range(3):
         vllm_io.load(path, CHUNK)
@@ -78,7 +79,7 @@ def test_xattrs_ls_du_and_stat_report_exact_counts(fresh_mount: Mount) -> None:
         r["namespace"]: r
         for r in json.loads(kvfs("ls", "--json", str(fresh_mount.path)).stdout)["namespaces"]
     }
-    qwen = rows["qwen_bbbbbbbbbbbb_r0"]
+    qwen = rows["qwen_bbbbbbbbbbbb"]
     assert qwen["reads"] == 3 and qwen["lookups"] == before + 4  # 3 reads, 1 miss
     assert qwen["hit_rate"] == 3 / qwen["lookups"]
     assert qwen["newest_read"] is not None
@@ -183,15 +184,15 @@ def test_evict_says_what_it_did_and_why_not(fresh_mount: Mount) -> None:
     assert int(os.getxattr(fresh_mount.path, "user.kvfs.used")) > 0  # nothing went
     done = kvfs("evict", mnt, "--namespace", "llama*", check=False)
     assert done.returncode == 2 and "no globs" in done.stderr
-    config_dir = kvfs("evict", mnt, "--namespace", "llama_aaaaaaaaaaaa").stdout
-    assert "evicted 0 files" in config_dir and "its chunks: llama_aaaaaaaaaaaa_r0" in config_dir
+    # A namespace is the model's config dir with its data dirs (config.json files stay).
+    assert "evicted 7 files" in kvfs("evict", mnt, "--namespace", "llama_aaaaaaaaaaaa").stdout
+    assert int(os.getxattr(fresh_mount.path / "llama_aaaaaaaaaaaa_r0", "user.kvfs.chunks")) == 0
     os.setxattr(fresh_mount.path / "qwen_bbbbbbbbbbbb_r0", "user.kvfs.pin", b"1")
     pinned = kvfs("evict", mnt, "--namespace", f"{mnt}/qwen_bbbbbbbbbbbb_r0/").stdout
     assert "evicted 0 files" in pinned and "is pinned" in pinned
-    result = json.loads(
-        kvfs("evict", "--json", mnt, "--namespace", "llama_aaaaaaaaaaaa_r0/").stdout
-    )
-    assert result["files"] == 7
+    os.setxattr(fresh_mount.path / "qwen_bbbbbbbbbbbb_r0", "user.kvfs.pin", b"0")
+    result = json.loads(kvfs("evict", "--json", mnt, "--namespace", "qwen_bbbbbbbbbbbb_r0/").stdout)
+    assert result["files"] == 4
     assert json.loads(kvfs("evict", "--json", mnt, "--older-than", "1w").stdout)["files"] == 0
 
 
@@ -208,5 +209,27 @@ def test_the_hit_rate_counts_real_misses_only(fresh_mount: Mount) -> None:
         assert vllm_io.load(vllm_io.chunk_path(root, key), 4096) == vllm_io.chunk_bytes(key, 4096)
     usage = json.loads((fresh_mount.path / ".kvfs" / "usage.json").read_bytes())
     assert usage["lookups"] == {"hit": 2, "miss": 3}
+    # No config.json was stored: the data directory is a namespace of its own.
     ns = {n["namespace"]: n for n in usage["namespaces"]}[f"{vllm_io.NAMESPACE}_r0"]
     assert (ns["lookups"], ns["hit_rate"]) == (5, 0.4)
+
+
+def test_ls_shows_each_model_once_in_a_terminal_width(fresh_mount: Mount) -> None:
+    """Issue 14, item 8: every model showed twice (its config dir with 0 chunks, and `_r0`),
+    in 142 columns, with the write time as "last read" of chunks never read, and no reads."""
+    store_two_namespaces(fresh_mount)
+    path = vllm_io.chunk_path(str(fresh_mount.path), 1, namespace="qwen_bbbbbbbbbbbb")
+    vllm_io.load(path, CHUNK)
+    vllm_io.load(path, CHUNK)
+    lines = kvfs("ls", str(fresh_mount.path)).stdout.splitlines()
+    assert max(map(len, lines)) <= 100, lines
+    header, *rows = (line.split() for line in lines)
+    assert header[:6] == ["NAMESPACE", "RANKS", "CHUNKS", "SIZE", "TOKENS", "READS"]
+    by_name = {row[0]: row for row in rows}
+    assert set(by_name) == set(MODELS)
+    assert by_name["llama_aaaaaaaaaaaa"][1:3] == ["1", "7"]
+    assert by_name["llama_aaaaaaaaaaaa"][5] == "0" and lines[1].endswith("never")
+    assert by_name["qwen_bbbbbbbbbbbb"][5] == "2" and lines[2].endswith("s ago")
+    never_read = vllm_io.chunk_path(str(fresh_mount.path), 0, namespace="llama_aaaaaaaaaaaa")
+    assert "user.kvfs.last_read" not in os.listxattr(never_read)
+    assert "user.kvfs.last_read" in os.listxattr(path)

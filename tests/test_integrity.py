@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,33 @@ def test_vllm_fs_tier_reports_a_failed_load_and_never_gets_the_bad_bytes(
         assert tier.lookup(vllm_tier.new_keys(1) + keys[1:2]) == [vllm_tier.LookupResult.MISS] * 2
     finally:
         tier.close()
+
+
+def test_kvfs_verify_on_a_mount_counts_no_read(fresh_mount: Mount) -> None:
+    """Issue 14, item 2: verify read every chunk through the mount, so every chunk's hits and
+    last read changed, every namespace showed a 100 % hit rate and the eviction order was
+    lost. The daemon now checks each file on request (``user.kvfs.verify``), as its scrub
+    does: no read is counted."""
+    paths = [vllm_io.chunk_path(str(fresh_mount.path), k) for k in range(4)]
+    for key, path in enumerate(paths):
+        vllm_io.store(path, vllm_io.chunk(key, CHUNK), o_direct=True)
+    vllm_io.load(paths[1], CHUNK)
+    usage = fresh_mount.path / ".kvfs" / "usage.json"
+
+    def seen() -> tuple[object, ...]:
+        marks = [{n: os.getxattr(p, n) for n in os.listxattr(p)} for p in paths]
+        return json.loads(usage.read_bytes())["lookups"], marks
+
+    before = seen()
+    result = kvfs("verify", "--json", str(fresh_mount.path))
+    assert json.loads(result.stdout)["files"] == 4
+    assert seen() == before
+    not_a_flag = subprocess.run(
+        ["setfattr", "-n", "user.kvfs.verify", "-v", "1", str(fresh_mount.path)],
+        capture_output=True,
+        text=True,
+    )
+    assert not_a_flag.returncode != 0  # a directory is not checked: walk it (kvfs verify)
 
 
 def test_kvfs_verify_on_a_mount_and_on_a_backing_directory(fresh_mount: Mount) -> None:
