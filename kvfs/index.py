@@ -138,6 +138,7 @@ class Index:
         self.policy = policy or LRU()
         self.bytes = 0  # sum of published file sizes
         self.charged = 0  # the same in whole 4 KiB blocks: what counts against the capacity
+        self.pins: set[Node] = set()  # nodes pinned themselves (few): pinned bytes, no walk
 
     def new_node(self, name: bytes, mode: int, uid: int = 0, gid: int = 0) -> Node:
         node = Node(self._next_ino, name, mode, uid, gid)
@@ -251,6 +252,21 @@ class Index:
         node.hits += 1
         node.last_read_ns = now_ns
         self.policy.access(node.ino)
+
+    def set_pinned(self, node: Node, pinned: bool) -> None:
+        node.pinned = pinned
+        (self.pins.add if pinned else self.pins.discard)(node)
+
+    def pinned_bytes(self) -> int:
+        """Bytes of the published files that eviction may not take (pinned, or under a pinned
+        directory), each counted once."""
+        total = 0
+        for node in list(self.pins):
+            if node.parent is None and node is not self.root:  # left the tree
+                self.pins.discard(node)
+            elif not (node.parent is not None and self.pinned(node.parent)):
+                total += node.tree_bytes if node.is_dir else node.size if node.on_backing else 0
+        return total
 
     @staticmethod
     def pinned(node: Node) -> bool:

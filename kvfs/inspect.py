@@ -72,7 +72,19 @@ def ls(mount: Path) -> tuple[dict[str, Any], str]:
     """One row per namespace (a model's config directory and its ``_r<rank>`` data
     directories); model, dtype and each directory are in ``--json``."""
     data = report(mount, walk=True)
-    rows = [["NAMESPACE", "RANKS", "CHUNKS", "SIZE", "TOKENS", "READS", "HIT RATE", "LAST READ"]]
+    rows = [
+        [
+            "NAMESPACE",
+            "RANKS",
+            "CHUNKS",
+            "SIZE",
+            "PINNED",
+            "TOKENS",
+            "READS",
+            "HIT RATE",
+            "LAST READ",
+        ]
+    ]
     for ns in data["namespaces"]:
         rate = ns["hit_rate"]
         rows.append(
@@ -81,6 +93,7 @@ def ls(mount: Path) -> tuple[dict[str, Any], str]:
                 str(len(ns["ranks"])),
                 str(ns["chunks"]),
                 human(ns["bytes"]),
+                human(ns["pinned_bytes"]) if ns["pinned_bytes"] else "-",
                 str(ns["tokens"] if ns["tokens"] is not None else "-"),
                 str(ns["reads"]),
                 f"{rate:.1%}" if rate is not None else "-",
@@ -99,7 +112,8 @@ def du(mount: Path) -> tuple[dict[str, Any], str]:
     data["free"] = st.f_bavail * st.f_frsize
     lines = [
         f"{human(used)} of {human(capacity)} used ({used / capacity:.1%}), "
-        f"{data['files']} files, {human(data['free'])} free"
+        f"{data['files']} files, {human(data['free'])} free, "
+        f"{human(data['pinned_bytes'])} pinned"
     ]
     rows = [["NAMESPACE", "CHUNKS", "BYTES", "SHARE"]]
     for ns in data["namespaces"]:

@@ -143,8 +143,8 @@ def namespaces(
     index: Index, lookups: dict[int, Counter[str]], walk: bool
 ) -> Iterator[dict[str, Any]]:
     """One report per namespace (see `groups`). ``walk`` adds what needs every file (reads,
-    oldest and newest read of the chunks read at least once); without it the report is
-    O(directories at the root)."""
+    pinned bytes, oldest and newest read of the chunks read at least once); without it the
+    report is O(directories at the root)."""
     for name, tops in groups(index).items():
         parts = [summary(index, top) for top in tops]
         first = next((p for p in parts if p["model"]), parts[0])
@@ -173,6 +173,7 @@ def namespaces(
             files = [f for top in tops for f in index.walk_files(top)]
             read = [f for f in files if f.hits and not is_namespace_config(f)]
             report["reads"] = sum(f.hits for f in read)
+            report["pinned_bytes"] = sum(f.size for f in files if index.pinned(f))
             # last_read_ns of a chunk never read is its write time (for eviction): not a read.
             report["oldest_read"] = _iso(min(f.last_read_ns for f in read)) if read else None
             report["newest_read"] = _iso(max(f.last_read_ns for f in read)) if read else None

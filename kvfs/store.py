@@ -171,7 +171,7 @@ class BackingStore:
                         if est.st_nlink > 1:
                             linked[est.st_ino] = node
                     if not stat.S_ISLNK(est.st_mode):
-                        node.pinned = _read_pinned(entry.path)
+                        index.set_pinned(node, _read_pinned(entry.path))
                     index.attach(parent, name, node, track=False)
                     if node.is_file and namespaces.is_namespace_config(node):
                         with open(entry.path, "rb") as config:

@@ -73,6 +73,7 @@ def report(
         "capacity": evictor.capacity,
         "used": evictor.used,
         "reserved": evictor.reserved,
+        "pinned_bytes": index.pinned_bytes(),
         "files": index.files,
         "bytes": index.bytes,
         "evictions": dict(evictor.evictions),

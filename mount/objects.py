@@ -418,7 +418,7 @@ class Objects:
         async def op() -> None:
             async with self._ns:
                 await self.io.read(self.store.save_pinned, self._attached(node), pinned)
-                node.pinned = pinned
+                self.index.set_pinned(node, pinned)
 
         await self.bounded(op)
 

@@ -224,12 +224,37 @@ def test_ls_shows_each_model_once_in_a_terminal_width(fresh_mount: Mount) -> Non
     lines = kvfs("ls", str(fresh_mount.path)).stdout.splitlines()
     assert max(map(len, lines)) <= 100, lines
     header, *rows = (line.split() for line in lines)
-    assert header[:6] == ["NAMESPACE", "RANKS", "CHUNKS", "SIZE", "TOKENS", "READS"]
+    assert header[:7] == ["NAMESPACE", "RANKS", "CHUNKS", "SIZE", "PINNED", "TOKENS", "READS"]
     by_name = {row[0]: row for row in rows}
     assert set(by_name) == set(MODELS)
     assert by_name["llama_aaaaaaaaaaaa"][1:3] == ["1", "7"]
-    assert by_name["llama_aaaaaaaaaaaa"][5] == "0" and lines[1].endswith("never")
-    assert by_name["qwen_bbbbbbbbbbbb"][5] == "2" and lines[2].endswith("s ago")
+    assert by_name["llama_aaaaaaaaaaaa"][6] == "0" and lines[1].endswith("never")
+    assert by_name["qwen_bbbbbbbbbbbb"][6] == "2" and lines[2].endswith("s ago")
     never_read = vllm_io.chunk_path(str(fresh_mount.path), 0, namespace="llama_aaaaaaaaaaaa")
     assert "user.kvfs.last_read" not in os.listxattr(never_read)
     assert "user.kvfs.last_read" in os.listxattr(path)
+
+
+def test_pinned_bytes_are_visible(fresh_mount: Mount) -> None:
+    """Issue 14, item 7: the effective pin had no column in `kvfs ls` and no total."""
+    store_two_namespaces(fresh_mount)
+    mnt = str(fresh_mount.path)
+    one = vllm_io.chunk_path(mnt, 0, namespace="qwen_bbbbbbbbbbbb")
+    os.setxattr(one, "user.kvfs.pin", b"1")
+    os.setxattr(fresh_mount.path / "llama_aaaaaaaaaaaa_r0", "user.kvfs.pin", b"1")
+    os.setxattr(
+        fresh_mount.path
+        / "llama_aaaaaaaaaaaa_r0"
+        / os.listdir(fresh_mount.path / "llama_aaaaaaaaaaaa_r0")[0],
+        "user.kvfs.pin",
+        b"1",
+    )  # counted once
+    rows = {r["namespace"]: r for r in json.loads(kvfs("ls", "--json", mnt).stdout)["namespaces"]}
+    assert rows["qwen_bbbbbbbbbbbb"]["pinned_bytes"] == CHUNK
+    assert rows["llama_aaaaaaaaaaaa"]["pinned_bytes"] == 7 * CHUNK
+    usage = json.loads(kvfs("du", "--json", mnt).stdout)
+    assert usage["pinned_bytes"] == 8 * CHUNK
+    assert "1.0M pinned" in kvfs("du", mnt).stdout
+    os.setxattr(one, "user.kvfs.pin", b"0")
+    os.unlink(vllm_io.chunk_path(mnt, 1, namespace="llama_aaaaaaaaaaaa"))
+    assert json.loads(kvfs("du", "--json", mnt).stdout)["pinned_bytes"] == 6 * CHUNK
