@@ -14,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import random
+
+from kvfs import vllm_layout
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -23,17 +24,13 @@ class ChunkError(OSError):
     """A chunk file cannot be stored or loaded; the store or load changed nothing."""
 
 
-def _temp_name(path: str) -> str:
-    return f"{path}_{random.randint(0, 2**63 - 1)}.tmp"
-
-
 def store(path: str, data: memoryview | bytes | mmap.mmap, o_direct: bool = False) -> bool:
     """Publish ``data`` under ``path``; False if a chunk was already there (content-addressed:
     it holds the same bytes)."""
     if os.path.exists(path):
         return False
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = _temp_name(path)
+    tmp = vllm_layout.temp_name(path)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | (O_DIRECT if o_direct else 0)
     try:
         fd = os.open(tmp, flags, 0o644)
@@ -79,7 +76,7 @@ def probe_o_direct(directory: str) -> bool:
     """Whether O_DIRECT writes work in ``directory``: one aligned page, written and removed."""
     if not O_DIRECT:
         return False
-    path = os.path.join(directory, f".o_direct_probe_{random.randint(0, 2**63 - 1)}.tmp")
+    path = os.path.join(directory, vllm_layout.o_direct_probe_name())
     page = mmap.mmap(-1, mmap.PAGESIZE)
     try:
         fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | O_DIRECT, 0o644)

@@ -12,8 +12,6 @@ plus one private directory at its root that the mount never shows:
 
 from __future__ import annotations
 
-import re
-
 PRIVATE_DIR = b".kvfs"
 TMP_DIR = PRIVATE_DIR + b"/tmp"
 UNLINKED_DIR = PRIVATE_DIR + b"/unlinked"
@@ -21,15 +19,6 @@ QUARANTINE_DIR = PRIVATE_DIR + b"/quarantine"
 LOCK_FILE = PRIVATE_DIR + b"/lock"
 
 NAME_MAX = 255
-
-# Temp names of engines that publish by rename: vLLM's fs tier writes `<hex>.bin_<u63>.tmp`
-# and probes O_DIRECT with `.o_direct_probe_<u63>.tmp`. An engine never reopens one, so any
-# left at mount time belongs to a writer that died.
-_ENGINE_TEMP = re.compile(rb"^(?:.+\.bin_\d+|\.o_direct_probe_\d+)\.tmp$")
-
-
-def is_engine_temp(name: bytes) -> bool:
-    return _ENGINE_TEMP.match(name) is not None
 
 
 def is_reserved(parent_is_root: bool, name: bytes) -> bool:

@@ -9,17 +9,13 @@ config.json. Any other directory at the root is a namespace too, with what the i
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+from kvfs import vllm_layout
 from kvfs.index import Index, Node
-
-CONFIG_NAME = b"config.json"
-_DATA_DIR = re.compile(rb"^(?P<config_dir>.+)_r(?P<rank>\d+)$")
-
 
 CONFIG_MAX_BYTES = 1 << 20  # a real config.json is a few hundred bytes
 
@@ -75,7 +71,7 @@ def is_namespace_config(node: Node) -> bool:
     """A config.json directly in a directory at the root."""
     parent = node.parent
     return (
-        node.name == CONFIG_NAME
+        node.name == vllm_layout.CONFIG_NAME
         and parent is not None
         and parent.parent is not None
         and (parent.parent.parent is None)
@@ -85,9 +81,9 @@ def is_namespace_config(node: Node) -> bool:
 def config_for(index: Index, top: Node) -> dict[str, Any] | None:
     if top.meta is not None:
         return top.meta
-    match = _DATA_DIR.match(top.name)
-    if match:
-        sibling = index.child(index.root, match["config_dir"])
+    owner = vllm_layout.config_dir_of(top.name)
+    if owner is not None:
+        sibling = index.child(index.root, owner[0])
         if sibling is not None and sibling.meta is not None:
             return sibling.meta
     return None
@@ -131,8 +127,8 @@ def groups(index: Index) -> dict[bytes, list[Node]]:
     tops = [node for _, node in sorted(index.root.children.items()) if node.is_dir]
     grouped: dict[bytes, list[Node]] = {}
     for top in tops:
-        match = _DATA_DIR.match(top.name)
-        owner = match["config_dir"] if match else top.name
+        belongs = vllm_layout.config_dir_of(top.name)
+        owner = belongs[0] if belongs else top.name
         if owner != top.name and index.child(index.root, owner) is None:
             owner = top.name  # a data directory whose config directory is gone
         grouped.setdefault(owner, []).append(top)
@@ -153,7 +149,7 @@ def namespaces(
         for top in tops:
             counts += lookups.get(top.ino, Counter())
         asked = counts["hit"] + counts["miss"]
-        ranks = sorted(int(m["rank"]) for t in tops if (m := _DATA_DIR.match(t.name)))
+        ranks = sorted(b[1] for t in tops if (b := vllm_layout.config_dir_of(t.name)))
         chunks = sum(p["chunks"] for p in parts)
         report: dict[str, Any] = {
             "namespace": name.decode(errors="replace"),

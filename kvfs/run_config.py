@@ -15,10 +15,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvfs import vllm_layout
 from kvfs.keys import split_offload_key
 
 DIGEST_HEX = 12
-CONFIG_FILE = "config.json"
 
 
 @dataclass(frozen=True)
@@ -79,22 +79,21 @@ class RunConfig:
     @property
     def namespace(self) -> str:
         """The config directory's name: ``<model with / as _>_<digest>``."""
-        return f"{self.model_name.replace('/', '_')}_{self.digest}"
+        return vllm_layout.namespace(self.model_name, self.digest)
 
     @property
     def data_dir(self) -> str:
         """The chunks' directory, a sibling of the config directory."""
-        return f"{self.namespace}_r{0 if self.parallel_agnostic else self.rank}"
+        return vllm_layout.data_dir(self.namespace, 0 if self.parallel_agnostic else self.rank)
 
     def config_json(self) -> str:
         """config.json's text, as vLLM writes it (json.dump, indent 2, sorted, no newline)."""
         return json.dumps(self.fields(), indent=2, sort_keys=True)
 
     def config_path(self, root: str) -> str:
-        return f"{root}/{self.namespace}/{CONFIG_FILE}"
+        return f"{root}/{self.namespace}/{vllm_layout.CONFIG_FILE}"
 
     def chunk_path(self, root: str, key: bytes) -> str:
         """``<root>/<data_dir>/<hex[:3]>/<hex[3:5]>_g<group>/<hex>.bin`` for an OffloadKey."""
         block_hash, group = split_offload_key(key)
-        hex_ = block_hash.hex()
-        return f"{root}/{self.data_dir}/{hex_[:3]}/{hex_[3:5]}_g{group}/{hex_}.bin"
+        return f"{root}/{self.data_dir}/{vllm_layout.chunk_relpath(block_hash.hex(), group)}"

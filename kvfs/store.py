@@ -20,7 +20,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from kvfs import checksum, layout, namespaces
+from kvfs import checksum, layout, namespaces, vllm_layout
 from kvfs.buffers import ALIGN, EXTENT, ChunkBuffer, ExtentPool
 from kvfs.index import Index, Node
 
@@ -148,7 +148,7 @@ class BackingStore:
                     name = entry.name
                     if layout.is_reserved(parent is root, name):
                         continue
-                    if entry.is_file(follow_symlinks=False) and layout.is_engine_temp(name):
+                    if entry.is_file(follow_symlinks=False) and vllm_layout.is_engine_temp(name):
                         os.unlink(entry.path)
                         removed += 1
                         continue

@@ -8,25 +8,12 @@ wire format is vLLM's (``kvfs.kv_events``).
 
 from __future__ import annotations
 
-import re
-
 import trio
 
 from kvfs.kv_events import EventPublisher
 
 MEDIUM = "kvfs"
 FLUSH_INTERVAL = 0.05  # seconds: events are batched, as vLLM batches per engine step
-_CHUNK = re.compile(rb"^([0-9a-f]{32}|[0-9a-f]{64})\.bin$")
-_GROUP = re.compile(rb"_g(\d+)$")
-
-
-def block_of(name: bytes, parent_name: bytes) -> tuple[bytes, int | None] | None:
-    """The block hash and KV-cache group of a chunk file name; None for any other file."""
-    match = _CHUNK.match(name)
-    if match is None:
-        return None
-    group = _GROUP.search(parent_name)
-    return bytes.fromhex(match[1].decode()), int(group[1]) if group else None
 
 
 class MountEvents(EventPublisher):

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from kvfs import namespaces
 from kvfs.index import Index, Node
-from kvfs.mount.events import MountEvents, block_of
+from kvfs.mount.events import MountEvents
 from kvfs.mount.invalidator import Invalidator
 from kvfs.mount.kernel_session import FuseSession, KernelSession
+from kvfs.vllm_layout import block_of
 
 
 class MountListener:

@@ -8,7 +8,7 @@ from collections import Counter, OrderedDict, defaultdict
 
 from kvfs import namespaces
 from kvfs.index import ROOT_INO, Node
-from kvfs.mount.events import block_of
+from kvfs.vllm_layout import block_of
 
 # Missed names remembered, so that a store which then makes one takes its miss back.
 RECENT_MISSES = 65536

@@ -152,6 +152,17 @@ def fresh_mount(tmp_path: Path) -> Iterator[Mount]:
 
 
 @contextmanager
+def buffered_mount(tmp: Path, *options: str) -> Iterator[Mount]:
+    """A mount whose writes go through the daemon's write buffer: the pyfuse3 session, in both
+    test runs (the kernel session passes writes through to the backing file: no buffer)."""
+    mount = make_mount(tmp, *options, "--session", "pyfuse3")
+    try:
+        yield mount.start()
+    finally:
+        mount.stop()
+
+
+@contextmanager
 def small_filesystem(where: Path, fstype: str, options: str = "") -> Iterator[Path]:
     """A filesystem of its own (tmpfs of a set size, ramfs without O_DIRECT), always unmounted."""
     where.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfs import checksum, layout
+from kvfs import checksum, vllm_layout
 from kvfs.buffers import EXTENT, ChunkBuffer, ExtentPool
 from kvfs.config import ConfigError, MountConfig, parse_size
 from kvfs.eviction import S3FIFO, EvictionPolicy, make_policy
@@ -90,10 +90,10 @@ def test_config_errors_name_the_key() -> None:
 
 
 def test_engine_temp_names() -> None:
-    assert layout.is_engine_temp(b"ab" * 32 + b".bin_123456789.tmp")
-    assert layout.is_engine_temp(b".o_direct_probe_42.tmp")
-    assert not layout.is_engine_temp(b"ab" * 32 + b".bin")
-    assert not layout.is_engine_temp(b"notes.tmp")
+    assert vllm_layout.is_engine_temp(b"ab" * 32 + b".bin_123456789.tmp")
+    assert vllm_layout.is_engine_temp(b".o_direct_probe_42.tmp")
+    assert not vllm_layout.is_engine_temp(b"ab" * 32 + b".bin")
+    assert not vllm_layout.is_engine_temp(b"notes.tmp")
 
 
 def test_index_keeps_totals_and_paths() -> None:

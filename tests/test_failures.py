@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvfs.buffers import EXTENT
-from tests.conftest import Mount, make_mount
+from tests.conftest import Mount, buffered_mount, make_mount
 from tools import vllm_io
 
 CHUNK = 512 << 10
@@ -121,13 +121,8 @@ def test_a_full_backing_store_gives_enospc_and_leaves_nothing_partial(
 
 @pytest.fixture
 def small_buffer_mount(tmp_path: Path) -> Iterator[Mount]:
-    # The daemon's write buffer: pyfuse3's (a mount that passes writes through has none).
-    mount = make_mount(tmp_path, "--write-buffer", "2M")
-    mount.options += ("--session", "pyfuse3")
-    try:
-        yield mount.start()
-    finally:
-        mount.stop()
+    with buffered_mount(tmp_path, "--write-buffer", "2M") as mount:
+        yield mount
 
 
 def test_writers_wait_for_the_write_buffer_and_never_fail_for_it(

@@ -15,7 +15,7 @@ import trio
 from pyfuse3 import FUSEError
 
 from kvfs.mount.bridge import contained
-from tests.conftest import Mount, kvfs, make_mount
+from tests.conftest import Mount, buffered_mount, kvfs, make_mount
 from tools import vllm_io
 
 CHUNK = 256 << 10
@@ -84,12 +84,8 @@ def test_a_handler_that_fails_unexpectedly_fails_only_its_request() -> None:
 def small_buffer_mount(tmp_path: Path) -> Iterator[Mount]:
     """Files written through the daemon's buffer (a mount that passes writes through has
     none: tests/test_passthrough.py checks what bounds those)."""
-    mount = make_mount(tmp_path, "--write-buffer", "4M", "--io-timeout", "3")
-    mount.options += ("--session", "pyfuse3")
-    try:
-        yield mount.start()
-    finally:
-        mount.stop()
+    with buffered_mount(tmp_path, "--write-buffer", "4M", "--io-timeout", "3") as mount:
+        yield mount
 
 
 def test_a_file_larger_than_the_write_buffer_fails_at_once_and_publishes_nothing(

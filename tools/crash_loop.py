@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvfs import layout, mountctl
+from kvfs import layout, mountctl, vllm_layout
 from tools import vllm_io
 
 KVFS = [sys.executable, "-m", "kvfs.cli"]
@@ -222,7 +222,7 @@ def check_tree(top: Path) -> TreeCheck:
             result.files += 1
             match = FINAL.match(name)
             if match is None:
-                result.temps += layout.is_engine_temp(name.encode())
+                result.temps += vllm_layout.is_engine_temp(name.encode())
                 continue
             key = int(match.group(1), 16)
             found = classify(os.path.join(dirpath, name), key)

@@ -11,7 +11,7 @@ import mmap
 import os
 import random
 
-from kvfs import chunk_io
+from kvfs import chunk_io, vllm_layout
 
 # Stores and the O_DIRECT probe are the syscalls kvfs's own fs tier makes too.
 store = chunk_io.store
@@ -46,8 +46,8 @@ NAMESPACE = "test-model_0123456789ab"  # <model>_<12 hex digest>, as vLLM names 
 
 def chunk_path(root: str, key: int, group: int = 0, namespace: str = NAMESPACE) -> str:
     """A path shaped like vLLM's: <root>/<ns>_r0/<hex[:3]>/<hex[3:5]>_g<group>/<hex>.bin."""
-    hex_ = f"{key:064x}"
-    return f"{root}/{namespace}_r0/{hex_[:3]}/{hex_[3:5]}_g{group}/{hex_}.bin"
+    data_dir = vllm_layout.data_dir(namespace, 0)
+    return f"{root}/{data_dir}/{vllm_layout.chunk_relpath(f'{key:064x}', group)}"
 
 
 def chunk_bytes(key: int, size: int) -> bytes:
