@@ -8,7 +8,7 @@ APT_PKGS    := fuse3 libfuse3-dev pkg-config attr
 VLLM        := vllm==0.33.0
 TORCH       := torch==2.13.0
 
-.PHONY: run test lint unit apt clean
+.PHONY: run test lint unit apt clean install
 
 run: apt $(VENV)/.mount
 	$(PY) -m tools.demo $(MOUNTPOINT)
@@ -50,6 +50,14 @@ $(VENV)/.test: pyproject.toml requirements/vllm.txt $(VENV)/.mount
 	$(VENV)/bin/pip install -q -e '.[mount,connector,dev]' $(TORCH) -r requirements/vllm.txt
 	$(VENV)/bin/pip install -q --no-deps $(VLLM)
 	touch $@
+
+# For boot-time mounts (docs/deployment.md): `kvfs` on root's PATH, mount(8)'s helper for
+# `mount -t fuse.kvfs` and fstab (it looks in /sbin), the systemd unit, the logrotate snippet.
+install: apt $(VENV)/.mount
+	ln -sfn $(abspath $(VENV))/bin/kvfs /usr/local/bin/kvfs
+	ln -sfn $(abspath $(VENV))/bin/mount.fuse.kvfs /sbin/mount.fuse.kvfs
+	if [ -d /etc/systemd/system ]; then install -m 0644 packaging/systemd/kvfs@.service /etc/systemd/system/; fi
+	if [ -d /etc/logrotate.d ]; then install -m 0644 packaging/logrotate/kvfs /etc/logrotate.d/kvfs; fi
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

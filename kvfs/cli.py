@@ -13,47 +13,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvfs import __version__, inspect, mountctl, verify
-from kvfs.config import (
-    FUSE_OPTIONS,
-    SESSIONS,
-    VERIFY_MODES,
-    ConfigError,
-    MountConfig,
-    check_bind_address,
-    default_backing_dir,
-    parse_fuse_options,
-    parse_size,
-    parse_umask,
-)
-from kvfs.eviction import POLICIES
+from kvfs import __version__, inspect, mount_options, mountctl, verify
+from kvfs.config import ConfigError, MountConfig, default_backing_dir
 
 
 def _cmd_mount(args: argparse.Namespace) -> int:
-    if args.supervise and args.foreground:
+    settings, fuse = mount_options.split_o(args.option)
+    values = mount_options.merged(args, settings)
+    if values["supervise"] and values["foreground"]:
         raise ConfigError(
             "--supervise and --foreground: a foreground daemon is supervised by what runs it "
             "(systemd's Restart=)"
         )
     backing = args.backing or default_backing_dir(args.mountpoint)
-    cfg = MountConfig(  # validated here, so a bad option fails before anything starts
-        mountpoint=args.mountpoint,
-        backing=backing,
-        write_buffer_bytes=parse_size(args.write_buffer, "--write-buffer"),
-        scrub_bytes_per_second=parse_size(args.scrub_rate, "--scrub-rate"),
-        io_timeout=args.io_timeout,
-        capacity=args.capacity,
-        eviction=args.eviction,
-        metrics_port=args.metrics_port,
-        metrics_address=check_bind_address(args.metrics_address, "--metrics-address"),
-        events=args.events,
-        fuse_options=parse_fuse_options(args.option),
-        file_umask=parse_umask(args.umask),
-        session=args.session,
-        verify=args.verify,
-    )
+    # validated here, so a bad option fails before anything starts
+    cfg = mount_options.config(args.mountpoint, backing, values, fuse)
     started = mountctl.mount(
-        args.mountpoint, backing, daemon_options(cfg, args), args.foreground, args.supervise
+        args.mountpoint,
+        backing,
+        daemon_options(cfg, values["debug"]),
+        values["foreground"],
+        values["supervise"],
     )
     supervised = f", supervisor pid {started.supervisor}" if started.supervisor else ""
     print(
@@ -63,23 +43,9 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     return 0
 
 
-def daemon_options(cfg: MountConfig, args: argparse.Namespace) -> list[str]:
+def daemon_options(cfg: MountConfig, debug: bool = False) -> list[str]:
     """The daemon's arguments for a validated config, each one token (``--key=value``)."""
-    return [
-        f"--write-buffer={cfg.write_buffer_bytes}",
-        f"--scrub-rate={cfg.scrub_bytes_per_second}",
-        f"--io-timeout={args.io_timeout}",
-        f"--capacity={cfg.capacity}",
-        f"--eviction={cfg.eviction}",
-        *([f"--metrics-port={cfg.metrics_port}"] if cfg.metrics_port else []),
-        f"--metrics-address={cfg.metrics_address}",
-        *([f"--events={cfg.events}"] if cfg.events else []),
-        *(f"--fuse-option={option}" for option in cfg.fuse_options),
-        f"--umask={cfg.file_umask:03o}",
-        f"--session={cfg.session}",
-        f"--verify={cfg.verify}",
-        *(["--debug"] if args.debug else []),
-    ]
+    return mount_options.daemon_argv(cfg, debug)
 
 
 def _cmd_umount(args: argparse.Namespace) -> int:
@@ -175,101 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
         "mount",
         help="mount a kvfs tier",
         description="Mount a kvfs tier at MOUNTPOINT. The command returns "
-        "once the mount answers; the daemon keeps running detached.",
+        "once the mount answers; the daemon keeps running detached. "
+        "`mount -t fuse.kvfs BACKING MOUNTPOINT -o NAME=VALUE,...` and fstab take the same "
+        "options (docs/deployment.md).",
     )
     mount.add_argument("mountpoint", type=Path)
-    mount.add_argument(
-        "--backing",
-        type=Path,
-        help="directory that holds the chunks (default: /var/cache/kvfs/<mountpoint>)",
-    )
-    mount.add_argument(
-        "--foreground",
-        action="store_true",
-        help="run the daemon in this process instead of detaching",
-    )
-    mount.add_argument(
-        "--write-buffer",
-        default="1G",
-        help="memory for files being written; writers wait beyond it (default 1G)",
-    )
-    mount.add_argument(
-        "--scrub-rate",
-        default="16M",
-        help="bytes per second the background scrub re-reads and checks, with K/M/G "
-        "(default %(default)s; 0 turns it off); it quarantines what fails its checksum",
-    )
-    mount.add_argument(
-        "--io-timeout",
-        type=float,
-        default=MountConfig.io_timeout,
-        help="seconds a request may wait on the backing store before it fails with EIO "
-        "(default %(default)s; must be positive)",
-    )
-    mount.add_argument(
-        "--capacity",
-        default=MountConfig.capacity,
-        help="bytes the tier may hold, with K/M/G/T, or a percentage of what it may have of the "
-        "backing filesystem: what kvfs holds there plus what is free at mount (default "
-        "%(default)s); past it the least valuable chunks are evicted",
-    )
-    mount.add_argument(
-        "--eviction",
-        choices=sorted(POLICIES),
-        default=MountConfig.eviction,
-        help="lru: least recently read first (default); s3fifo: scan-resistant",
-    )
-    mount.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
-    mount.add_argument(
-        "--metrics-address",
-        default=MountConfig.metrics_address,
-        help="address /metrics listens on (default %(default)s, this machine only; "
-        "0.0.0.0 for every interface)",
-    )
-    mount.add_argument(
-        "--events",
-        metavar="ADDRESS",
-        help="publish KV events (vLLM's format) on this ZMQ address, e.g. tcp://127.0.0.1:5557 "
-        "(a routable address exposes which prompts are cached to whoever can connect)",
-    )
+    mount.add_argument("--backing", type=Path, metavar="DIR", help=mount_options.BACKING_HELP)
+    mount_options.add_arguments(mount, daemon=False)
     mount.add_argument(
         "-o",
         dest="option",
         metavar="OPTION[,OPTION]",
         action="append",
         default=[],
-        help=f"FUSE mount option, repeatable: {', '.join(FUSE_OPTIONS)}. allow_other lets "
-        "other users' processes (an engine running as another user) reach the mount",
+        help=mount_options.O_HELP,
     )
-    mount.add_argument(
-        "--umask",
-        default=f"{MountConfig.file_umask:03o}",
-        help="octal permission bits removed from files and directories created on the mount, "
-        "whatever mode the writer asks (default %(default)s)",
-    )
-    mount.add_argument(
-        "--session",
-        choices=SESSIONS,
-        default=MountConfig.session,
-        help="FUSE session: kernel (kvfs speaks FUSE on /dev/fuse; root; reads can pass "
-        "through to the backing files), pyfuse3 (libfuse), auto (kernel for root on a local "
-        "backing filesystem, else pyfuse3; the log says which and why) (default %(default)s)",
-    )
-    mount.add_argument(
-        "--verify",
-        choices=VERIFY_MODES,
-        default=MountConfig.verify,
-        help="every-read: the daemon serves and checks every read; first-read: a chunk is "
-        "checked at its publish or first read, then read in passthrough where the session "
-        "has it (default %(default)s)",
-    )
-    mount.add_argument(
-        "--supervise",
-        action="store_true",
-        help="also start a supervisor that restarts the daemon in place if it dies "
-        "(kill -9, crash), with a bounded backoff; kvfs umount stops it",
-    )
-    mount.add_argument("--debug", action="store_true", help="log every request")
     mount.set_defaults(run=_cmd_mount)
 
     umount = commands.add_parser(

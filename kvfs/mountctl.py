@@ -14,6 +14,7 @@ mounts again in place; ``kvfs umount`` removes the mount, the guard and any supe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import errno
 import importlib.util
@@ -284,10 +285,26 @@ def _check_mountpoint(mnt: str) -> None:
         raise MountError(f"mountpoint {mnt} is not empty")
 
 
+def kvfs_mount_holding(path: str) -> str | None:
+    """The kvfs mount ``path`` lies on (symbolic links resolved), if any."""
+    real = os.path.realpath(path)
+    for point in kvfs_mounts():
+        if real == point or real.startswith(point.rstrip("/") + "/"):
+            return point
+    return None
+
+
 def _check_backing(back: str, mnt: str) -> None:
     if back == mnt or back.startswith(mnt + "/") or mnt.startswith(back + "/"):
         raise MountError(
             f"backing directory {back} and mountpoint {mnt} must not contain each other"
+        )
+    # A tier behind a tier: its private area would be the other mount's control directory.
+    holder = kvfs_mount_holding(back)
+    if holder is not None:
+        raise MountError(
+            f"backing directory {back} is on the kvfs mount {holder}: "
+            "use a directory of the disk behind it, not another kvfs mount"
         )
     try:
         os.makedirs(os.path.join(back, os.fsdecode(layout.PRIVATE_DIR)), exist_ok=True)
@@ -346,7 +363,9 @@ def open_log(path: Path) -> int:
     """The daemon's log, for appending: 0640 in a 0750 directory, never through a symlink.
 
     It names models, paths and addresses, so it is not for every user; an existing log or
-    directory left wider open by an older kvfs is tightened.
+    directory left wider open by an older kvfs is tightened. A log past LOG_ROTATE_BYTES is
+    moved to ``<log>.1`` first (one old log kept); a long-running daemon's log is rotated by
+    logrotate (packaging/logrotate/kvfs: copytruncate, as the daemon appends to its fd).
     """
     path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
     folder = os.lstat(path.parent)
@@ -354,6 +373,7 @@ def open_log(path: Path) -> int:
         raise MountError(f"log directory {path.parent} is not a directory: refusing to use it")
     if stat.S_IMODE(folder.st_mode) != 0o750:
         os.chmod(path.parent, 0o750)
+    _rotate_log(path)
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags, 0o640)
@@ -367,7 +387,52 @@ def open_log(path: Path) -> int:
         raise MountError(f"daemon log {path} is not a regular file: refusing to use it")
     if stat.S_IMODE(st.st_mode) != 0o640:
         os.fchmod(fd, 0o640)
+    os.utime(fd)  # in use from now: prune_logs leaves it alone
     return fd
+
+
+LOG_ROTATE_BYTES = 16 << 20
+# Logs of mountpoints nothing is mounted on: the newest this many stay, the rest are removed at
+# the next mount; none written in the last LOG_QUIET seconds (its mount may be starting).
+STALE_LOGS_KEPT = 32
+LOG_QUIET = 600.0
+_LOG_NAME = re.compile(r"(.+\.log)(?:\.\d+)?")
+
+
+def _rotate_log(path: Path) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_size > LOG_ROTATE_BYTES:
+        os.replace(path, f"{path}.1")
+
+
+def prune_logs(folder: Path, keep: int = STALE_LOGS_KEPT) -> int:
+    """Remove the logs of mountpoints nothing is mounted on, past the newest ``keep``; the
+    number removed. Every test or one-off mount leaves a log: without this they pile up."""
+    current = {
+        daemon_log(Path(e.mountpoint)).name
+        for e in _mountinfo()
+        if e.fstype == KVFS_TYPE or _is_guard(e)
+    }
+    quiet_since = time.time() - LOG_QUIET
+    stale = []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            name = _LOG_NAME.fullmatch(entry.name)
+            if name is None or name[1] in current:
+                continue
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_mtime < quiet_since:
+                stale.append((st.st_mtime, entry.path))
+    stale.sort(reverse=True)
+    removed = 0
+    for _, path in stale[keep:]:
+        with contextlib.suppress(FileNotFoundError):  # another mount pruned it first
+            os.unlink(path)
+            removed += 1
+    return removed
 
 
 def _spawn(command: list[str], **popen: object) -> tuple[subprocess.Popen[bytes], str]:
@@ -407,6 +472,10 @@ def mount(
         command = supervisor_command(mountpoint, backing, options)
     log_path = daemon_log(mountpoint)
     log_fd = open_log(log_path)
+    try:
+        prune_logs(log_path.parent)
+    except OSError as err:  # housekeeping: never a reason not to mount
+        log.warning("cannot prune old logs in %s: %s", log_path.parent, err)
     try:
         proc, message = _spawn(command, stdout=log_fd, stderr=log_fd, start_new_session=True)
     finally:

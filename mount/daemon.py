@@ -15,11 +15,11 @@ import pyfuse3
 import trio
 import zmq
 
-from kvfs import mountctl
-from kvfs.config import ConfigError, MountConfig, parse_capacity, parse_fuse_options, parse_umask
+from kvfs import mount_options, mountctl
+from kvfs.config import ConfigError, MountConfig, parse_capacity
 from kvfs.eviction import make_policy
 from kvfs.index import Index
-from kvfs.mount import sessions
+from kvfs.mount import sessions, systemd
 from kvfs.mount.kernel_session import FuseSession
 from kvfs.mount.operations import KvfsOperations
 from kvfs.mountctl import READY
@@ -72,9 +72,17 @@ def fuse_options(cfg: MountConfig) -> set[str]:
     No ``auto_unmount``: when the daemon dies the mount must stay, answering ENOTCONN, rather
     than vanish and leave the bare directory on the root disk for engines to fill. No
     ``allow_other`` unless asked: other users' processes cannot reach the chunks by default.
+    The backing directory is the source ``df`` and ``findmnt`` show (the type says fuse.kvfs).
     """
-    own = {"fsname=kvfs", "subtype=kvfs", "noatime"}
+    own = {f"fsname={fsname(cfg.backing)}", "subtype=kvfs", "noatime"}
     return set(pyfuse3.default_options) | own | set(cfg.fuse_options)
+
+
+def fsname(backing: Path) -> str:
+    """The mount's source: its backing directory, unless the path holds what an option list
+    cannot carry (libfuse splits at commas and takes backslashes as escapes)."""
+    text = str(backing)
+    return "kvfs" if "," in text or "\\" in text else text
 
 
 def serve(cfg: MountConfig, ready_fd: int | None) -> int:
@@ -152,9 +160,17 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
     tell(READY)
     if ready_fd is not None:
         os.close(ready_fd)
+    else:  # in the foreground: under systemd, Type=notify waits for this
+        systemd.notify(
+            "READY=1",
+            f"MAINPID={os.getpid()}",
+            f"STATUS=serving {mountpoint} (backing {cfg.backing}, capacity {capacity} bytes)",
+        )
     try:
         trio.run(serve_requests, ops)
     finally:
+        if ready_fd is None:
+            systemd.notify("STOPPING=1", f"STATUS=unmounting {mountpoint}")
         session.close(unmount=True)
         ops.close()
         store.close()
@@ -186,47 +202,22 @@ async def _stop_on_signal(session: FuseSession) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The daemon's arguments: those of ``kvfs mount`` (kvfs.mount_options) that reach it."""
     parser = argparse.ArgumentParser(
         prog="python -m kvfs.mount", description="kvfs FUSE daemon (started by `kvfs mount`)"
     )
     parser.add_argument("mountpoint", type=Path)
     parser.add_argument("--backing", type=Path, required=True)
     parser.add_argument("--ready-fd", type=int)
-    parser.add_argument("--write-buffer", type=int, default=MountConfig.write_buffer_bytes)
-    parser.add_argument("--io-timeout", type=float, default=MountConfig.io_timeout)
-    parser.add_argument("--scrub-rate", type=int, default=MountConfig.scrub_bytes_per_second)
-    parser.add_argument("--cache-timeout", type=float, default=MountConfig.cache_timeout)
-    parser.add_argument("--capacity", default=MountConfig.capacity)
-    parser.add_argument("--eviction", default=MountConfig.eviction)
-    parser.add_argument("--metrics-port", type=int)
-    parser.add_argument("--metrics-address", default=MountConfig.metrics_address)
-    parser.add_argument("--events")
     parser.add_argument("--fuse-option", action="append", default=[])
-    parser.add_argument("--umask", default=f"{MountConfig.file_umask:03o}")
-    parser.add_argument("--session", default=MountConfig.session)
-    parser.add_argument("--verify", default=MountConfig.verify)
-    parser.add_argument("--debug", action="store_true")
+    mount_options.add_arguments(parser, daemon=True)
     return parser
 
 
 def config_from(args: argparse.Namespace) -> MountConfig:
     """The daemon's MountConfig from its arguments; raises ConfigError."""
-    return MountConfig(
-        mountpoint=args.mountpoint.resolve(),
-        backing=args.backing.resolve(),
-        write_buffer_bytes=args.write_buffer,
-        io_timeout=args.io_timeout,
-        scrub_bytes_per_second=args.scrub_rate,
-        cache_timeout=args.cache_timeout,
-        capacity=args.capacity,
-        eviction=args.eviction,
-        metrics_port=args.metrics_port,
-        metrics_address=args.metrics_address,
-        events=args.events,
-        fuse_options=parse_fuse_options(args.fuse_option),
-        file_umask=parse_umask(args.umask),
-        session=args.session,
-        verify=args.verify,
+    return mount_options.config(
+        args.mountpoint.resolve(), args.backing.resolve(), vars(args), args.fuse_option
     )
 
 
