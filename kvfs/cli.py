@@ -91,7 +91,7 @@ def _cmd_stat(args: argparse.Namespace) -> int:
 
 def _cmd_evict(args: argparse.Namespace) -> int:
     older = parse_age(args.older_than) if args.older_than else None
-    return _emit(args, inspect.evict(args.mountpoint, args.namespace, older))
+    return _emit(args, inspect.evict(args.mountpoint, args.namespace, older, args.dry_run))
 
 
 def _cmd_top(args: argparse.Namespace) -> int:
@@ -227,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--older-than",
         metavar="AGE",
         help="not read for AGE: 90s, 15m, 2h, 7d, 1w (the unit is required)",
+    )
+    drop.add_argument(
+        "--dry-run", action="store_true", help="say what would be evicted; evict nothing"
     )
     drop.add_argument("--json", action="store_true", help="print the result as JSON")
     drop.set_defaults(run=_cmd_evict)

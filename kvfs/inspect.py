@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvfs import control_protocol as proto
 from kvfs import mountctl
 
 
@@ -31,8 +33,7 @@ def mount_of(path: Path) -> Path:
 
 
 def report(mount: Path, walk: bool) -> dict[str, Any]:
-    name = "namespaces.json" if walk else "usage.json"
-    with open(mount_of(mount) / ".kvfs" / name, "rb") as f:
+    with open(proto.report_path(mount_of(mount), walk), "rb") as f:
         return json.loads(f.read())  # type: ignore[no-any-return]
 
 
@@ -131,41 +132,48 @@ def stat(path: Path) -> tuple[dict[str, Any], str]:
         "blocks": st.st_blocks,
     }
     for name in os.listxattr(path):
-        if name.startswith("user.kvfs."):
+        if name.startswith(proto.PREFIX):
             value = os.getxattr(path, name).decode(errors="replace")
-            data[name.removeprefix("user.kvfs.")] = int(value) if value.isdigit() else value
+            data[name.removeprefix(proto.PREFIX)] = int(value) if value.isdigit() else value
     text = "\n".join(f"{key:>12}: {value}" for key, value in data.items())
     return data, text
 
 
 def evict(
-    mount: Path, namespace: str | None, older_than: float | None
+    mount: Path, namespace: str | None, older_than: float | None, dry_run: bool = False
 ) -> tuple[dict[str, Any], str]:
     """Evict a namespace (all its directories), one of its directories, or what was not read
-    for ``older_than`` seconds; say what went, and why nothing did when nothing did."""
+    for ``older_than`` seconds (or, ``dry_run``, count what would go); say what went, and why
+    nothing did when nothing did."""
     top = mount_of(mount)
-    before = report(top, walk=False)
     if namespace is None:
         requests = [f"older-than={older_than}"]
     else:
         name = namespace_name(top, namespace)
-        group = next((n for n in before["namespaces"] if n["namespace"] == name), None)
+        known = report(top, walk=False)["namespaces"]
+        group = next((n for n in known if n["namespace"] == name), None)
         requests = [f"namespace={d}" for d in (group["directories"] if group else [name])]
-    try:
-        for request in requests:
-            os.setxattr(top, "user.kvfs.evict", request.encode())
-    except FileNotFoundError:
-        raise InspectError(f"no namespace {namespace!r} in {top} (`kvfs ls` lists them)") from None
-    after = report(top, walk=False)
-    freed = before["used"] - after["used"]
-    files = before["files"] - after["files"]
-    data = {"requests": requests, "files": files, "bytes": freed, "used": after["used"]}
-    text = f"evicted {files} files ({human(freed)}); {human(after['used'])} used now"
+    files = size = 0
+    for request in requests:
+        request_id = secrets.token_hex(8)  # its outcome is read back under this name
+        asked = {"request": request, "id": request_id, "dry_run": dry_run}
+        try:
+            os.setxattr(top, proto.EVICT, json.dumps(asked).encode())
+        except FileNotFoundError:
+            raise InspectError(
+                f"no namespace {namespace!r} in {top} (`kvfs ls` lists them)"
+            ) from None
+        outcome = json.loads(os.getxattr(top, proto.EVICTED + request_id))
+        files, size = files + outcome["files"], size + outcome["bytes"]
+    used = report(top, walk=False)["used"]
+    data = {"requests": requests, "dry_run": dry_run, "files": files, "bytes": size, "used": used}
+    verb = "would evict" if dry_run else "evicted"
+    text = f"{verb} {files} files ({human(size)}); {human(used)} used now"
     pinned = [
         r.removeprefix("namespace=")
         for r in requests
         if r.startswith("namespace=")
-        and os.getxattr(top / r.removeprefix("namespace="), "user.kvfs.pinned") == b"1"
+        and os.getxattr(top / r.removeprefix("namespace="), proto.PINNED) == b"1"
     ]
     if pinned:  # issue 14, item 5: say why chunks stayed
         data["pinned"] = pinned

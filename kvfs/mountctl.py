@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfs import layout
+from kvfs import control_protocol, layout
 from kvfs.config import daemon_log
 
 log = logging.getLogger("kvfs.mountctl")
@@ -486,7 +486,7 @@ def mount(
         raise MountError(message.removeprefix("error: "))
     if not supervise:
         return Started(proc.pid)
-    return Started(int(os.getxattr(mountpoint, "user.kvfs.pid")), proc.pid)
+    return Started(int(os.getxattr(mountpoint, control_protocol.PID)), proc.pid)
 
 
 def _read_line(fd: int) -> str:
@@ -534,7 +534,7 @@ def unmount(mountpoint: Path, timeout: float = 60.0) -> None:
 
 def _unmount_fuse(mnt: str, timeout: float) -> None:
     try:
-        pid: int | None = int(os.getxattr(mnt, "user.kvfs.pid"))
+        pid: int | None = int(os.getxattr(mnt, control_protocol.PID))
     except OSError:
         pid = None  # a dead daemon: unmount lazily, nothing to wait for
     command = ["fusermount3", "-u", mnt] if pid else ["fusermount3", "-u", "-z", mnt]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvfs import control_protocol as proto
 from kvfs import layout, mountctl
 from kvfs.buffers import ExtentPool
 from kvfs.checksum import ChecksumMismatch, read_xattr
@@ -80,9 +81,9 @@ def _through_mount(files: list[tuple[Path, int]], bar: tqdm) -> Report:
     report = Report()
     for file, size in files:
         try:
-            if "user.kvfs.checksum" not in os.listxattr(file):
+            if proto.CHECKSUM not in os.listxattr(file):
                 report.unverified.append(str(file))  # the check adopts what it reads
-            os.setxattr(file, "user.kvfs.verify", b"1")
+            os.setxattr(file, proto.VERIFY, b"1")
             report.files += 1
             report.bytes += size
         except FileNotFoundError:  # evicted meanwhile

@@ -1,11 +1,10 @@
-"""The control protocol: the read-only `.kvfs/` directory and the `user.kvfs.*` xattrs.
+"""The daemon's side of the control protocol (kvfs/control_protocol.py names it): the
+read-only `.kvfs/` directory and the `user.kvfs.*` xattrs.
 
-    .kvfs/usage.json       capacity, usage, counters and per-namespace totals (no walk: cheap)
-    .kvfs/namespaces.json  the same plus reads, oldest and newest read per namespace (walks)
-
-They are generated when opened, so `cat` and `kvfs ls`/`kvfs du` see the daemon's state of that
-moment. The name `.kvfs` cannot collide with vLLM's paths (they start with the model name), and
-the backing directory's own `.kvfs/` is never shown, so this one is purely virtual.
+The control files are generated when opened, so `cat` and `kvfs ls`/`kvfs du` see the
+daemon's state of that moment. The name `.kvfs` cannot collide with vLLM's paths (they start
+with the model name), and the backing directory's own `.kvfs/` is never shown, so this one is
+purely virtual.
 """
 
 from __future__ import annotations
@@ -14,9 +13,10 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import stat
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from datetime import UTC, datetime
 from functools import partial
@@ -24,6 +24,7 @@ from typing import Any
 
 import pyfuse3
 
+from kvfs import control_protocol as proto
 from kvfs import namespaces
 from kvfs.index import ROOT_INO, Node
 from kvfs.io_queues import Queue
@@ -31,8 +32,8 @@ from kvfs.mount.objects import Objects
 from kvfs.mount.scrub import ScrubStats
 
 DIR_INO = 1 << 62  # far above any inode the index hands out
-FILES = {b"usage.json": DIR_INO + 1, b"namespaces.json": DIR_INO + 2}
-NAME = b".kvfs"
+FILES = {proto.USAGE.encode(): DIR_INO + 1, proto.NAMESPACES.encode(): DIR_INO + 2}
+NAME = proto.CONTROL_DIR.encode()
 
 
 def is_control(ino: int) -> bool:
@@ -53,7 +54,7 @@ def attrs(ino: int, timeout: float) -> pyfuse3.EntryAttributes:
 
 def render(ino: int, report: Callable[[bool], dict[str, Any]]) -> bytes:
     """The content of a control file; ``report(walk)`` builds the daemon's report."""
-    walk = ino == FILES[b"namespaces.json"]
+    walk = ino == FILES[proto.NAMESPACES.encode()]
     return json.dumps(report(walk), indent=2).encode() + b"\n"
 
 
@@ -101,48 +102,50 @@ def xattrs(
     """A node's ``user.kvfs.*`` attributes, answered from memory (the kernel never caches
     xattrs): its pin; a namespace's model and totals; a file's checksum and reads; the root's
     daemon-wide figures."""
-    values = {  # pin: set on this node; pinned: in effect (it, or a directory above, is pinned)
-        b"user.kvfs.pin": b"1" if node.pinned else b"0",
-        b"user.kvfs.pinned": b"1" if objects.index.pinned(node) else b"0",
+    values: dict[str, bytes] = {
+        proto.PIN: b"1" if node.pinned else b"0",
+        proto.PINNED: b"1" if objects.index.pinned(node) else b"0",
     }
     if node.is_dir and node.parent is not None and node.parent.ino == ROOT_INO:
         ns = namespaces.summary(objects.index, node)
-        values[b"user.kvfs.model"] = str(ns["model"] or ns["namespace"]).encode()
-        values[b"user.kvfs.chunks"] = b"%d" % ns["chunks"]
-        values[b"user.kvfs.bytes"] = b"%d" % ns["bytes"]
+        values[proto.MODEL] = str(ns["model"] or ns["namespace"]).encode()
+        values[proto.CHUNKS] = b"%d" % ns["chunks"]
+        values[proto.BYTES] = b"%d" % ns["bytes"]
         if ns["tokens"] is not None:
-            values[b"user.kvfs.tokens"] = b"%d" % ns["tokens"]
+            values[proto.TOKENS] = b"%d" % ns["tokens"]
     if node.is_file:
         if node.checksum is not None:
-            values[b"user.kvfs.checksum"] = node.checksum.encode()
-        values[b"user.kvfs.hits"] = b"%d" % node.hits
+            values[proto.CHECKSUM] = node.checksum.encode()
+        values[proto.HITS] = b"%d" % node.hits
         if node.hits:  # a chunk never read has its write time as recency: not a read
             stamp = datetime.fromtimestamp(node.last_read_ns / 1e9, UTC)
-            values[b"user.kvfs.last_read"] = stamp.isoformat(timespec="milliseconds").encode()
+            values[proto.LAST_READ] = stamp.isoformat(timespec="milliseconds").encode()
     if node.ino == ROOT_INO:
         state = report(False)
-        values[b"user.kvfs.backing"] = objects.store.root
-        for key in ("pid", "capacity", "used", "checksum_failures", "deadline_expiries"):
-            values[b"user.kvfs." + key.encode()] = b"%d" % state[key]
-        values[b"user.kvfs.evictions"] = b"%d" % sum(state["evictions"].values())
+        values[proto.BACKING] = objects.store.root
+        for key in proto.ROOT_COUNTS:
+            values[proto.PREFIX + key] = b"%d" % state[key]
+        values[proto.EVICTIONS] = b"%d" % sum(state["evictions"].values())
         # Files open for writing or closed but not yet published (their last release).
-        values[b"user.kvfs.unpublished"] = b"%d" % objects.unpublished
-    return values
+        values[proto.UNPUBLISHED] = b"%d" % objects.unpublished
+        for request_id, result in EVICT_RESULTS.items():
+            values[proto.EVICTED + request_id] = result
+    return {name.encode(): value for name, value in values.items()}
 
 
 async def set_xattr(objects: Objects, node: Node, name: bytes, value: bytes | None) -> None:
     """Set (``value``) or remove (None) an attribute: ``user.kvfs.pin`` = 1 exempts a file, or
     everything under a directory, from eviction, 0 or removing it undoes that (kept with the
     backing file: it survives a restart); ``user.kvfs.evict`` on the root evicts what
-    ``kvfs evict`` asks; ``user.kvfs.verify`` on a file checks it (see `verify`). Raises OSError:
-    ENOTSUP for any other name, EINVAL for another value."""
-    if name == b"user.kvfs.evict" and node.ino == ROOT_INO and value is not None:
-        await objects.evict_by_request(value.decode(errors="replace"))
+    ``kvfs evict`` asks (see `evict`); ``user.kvfs.verify`` on a file checks it (see
+    `verify`). Raises OSError: ENOTSUP for any other name, EINVAL for another value."""
+    if name == proto.EVICT.encode() and node.ino == ROOT_INO and value is not None:
+        await evict(objects, value)
         return
-    if name == b"user.kvfs.verify" and value is not None:
+    if name == proto.VERIFY.encode() and value is not None:
         await verify(objects, node)
         return
-    if name not in (b"user.kvfs.pin", b"user.kvfs.pinned"):
+    if name not in (proto.PIN.encode(), proto.PINNED.encode()):
         raise OSError(errno.ENOTSUP, os.strerror(errno.ENOTSUP))
     flag = b"0" if value is None else value.strip()
     if flag not in (b"0", b"1"):
@@ -162,3 +165,34 @@ async def verify(objects: Objects, node: Node) -> None:
         raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
     if not outcome[1]:
         raise OSError(errno.EBADMSG, os.strerror(errno.EBADMSG))
+
+
+# The outcomes of the last `kvfs evict` requests, by the id each request names: setxattr
+# cannot answer, so the command reads its own outcome back from the root's xattrs.
+EVICT_RESULTS: OrderedDict[str, bytes] = OrderedDict()
+EVICT_RESULTS_KEPT = 16
+_REQUEST_ID = re.compile(r"^[0-9a-f]{1,32}$")
+
+
+async def evict(objects: Objects, value: bytes) -> None:
+    """``{"request": "namespace=NAME" | "older-than=SECONDS", "id": HEX, "dry_run": BOOL}``
+    (JSON, from `kvfs evict`): evict (or count, dry run) and keep the outcome under
+    ``user.kvfs.evicted.<id>``. EINVAL for anything else."""
+    try:
+        asked = json.loads(value)
+        request, request_id = asked["request"], asked["id"]
+        dry_run = asked.get("dry_run", False)
+        valid = (
+            isinstance(request, str)
+            and isinstance(request_id, str)
+            and _REQUEST_ID.match(request_id)
+            and dry_run in (0, 1)
+        )
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        valid = False
+    if not valid:
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+    files, size = await objects.evict_by_request(request, dry_run=bool(dry_run))
+    EVICT_RESULTS[request_id] = json.dumps({"files": files, "bytes": size}).encode()
+    while len(EVICT_RESULTS) > EVICT_RESULTS_KEPT:
+        EVICT_RESULTS.popitem(last=False)

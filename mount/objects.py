@@ -1037,11 +1037,12 @@ class Objects:
             self.listener.name_gone(parent, node.name, node)
         return True
 
-    async def evict_by_request(self, request: str) -> None:
+    async def evict_by_request(self, request: str, dry_run: bool = False) -> tuple[int, int]:
         """``namespace=NAME`` or ``older-than=SECONDS`` (from `kvfs evict`): evict those files,
-        except what may not go (pinned, being written)."""
+        except what may not go (`busy`). Returns the files and bytes evicted, or with
+        ``dry_run`` those that would be, touching nothing."""
 
-        async def op() -> None:
+        async def op() -> tuple[int, int]:
             key, _, value = request.partition("=")
             if key == "namespace":
                 top = self.index.child(self.index.root, value.encode())
@@ -1056,8 +1057,15 @@ class Objects:
                 files = [f for f in self.index.walk_files() if f.last_read_ns < cutoff]
             else:
                 raise fail(errno.EINVAL)
+            count = size = 0
             for node in files:  # the caller holds the root's lock: never wait on the kernel
-                if await self.evict(node, "request", wait_for_kernel=False):
-                    self.evictor.evictions["request"] += 1
+                if dry_run:
+                    gone = not self.busy(node)
+                else:
+                    gone = await self.evict(node, EvictionReason.REQUEST, wait_for_kernel=False)
+                    if gone:
+                        self.evictor.evicted(EvictionReason.REQUEST, node.size)
+                count, size = count + gone, size + node.size * gone
+            return count, size
 
-        await self.bounded(op)
+        return await self.bounded(op)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -9,6 +10,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import Mount, kvfs
 from tools import vllm_io
@@ -258,3 +261,23 @@ def test_pinned_bytes_are_visible(fresh_mount: Mount) -> None:
     os.setxattr(one, "user.kvfs.pin", b"0")
     os.unlink(vllm_io.chunk_path(mnt, 1, namespace="llama_aaaaaaaaaaaa"))
     assert json.loads(kvfs("du", "--json", mnt).stdout)["pinned_bytes"] == 6 * CHUNK
+
+
+def test_evict_dry_run_says_what_would_go_and_evicts_nothing(fresh_mount: Mount) -> None:
+    """Issue 14, item 5: there was no --dry-run; and the count came from usage before and
+    after, so concurrent writers skewed it. Each request's outcome is now the daemon's own."""
+    store_two_namespaces(fresh_mount)
+    mnt = str(fresh_mount.path)
+    os.setxattr(vllm_io.chunk_path(mnt, 0, namespace="qwen_bbbbbbbbbbbb"), "user.kvfs.pin", b"1")
+    used = os.getxattr(fresh_mount.path, "user.kvfs.used")
+    time.sleep(1.1)
+    preview = json.loads(kvfs("evict", "--json", "--dry-run", mnt, "--older-than", "1s").stdout)
+    assert preview["dry_run"] and (preview["files"], preview["bytes"]) == (10, 10 * CHUNK)
+    assert "would evict 10 files" in kvfs("evict", "--dry-run", mnt, "--older-than", "1s").stdout
+    assert os.getxattr(fresh_mount.path, "user.kvfs.used") == used  # nothing went
+    done = json.loads(kvfs("evict", "--json", mnt, "--older-than", "1s").stdout)
+    assert (done["files"], done["bytes"]) == (10, 10 * CHUNK)  # the pinned chunk stays
+    for hostile in (b"namespace=x", b'{"request": "older-than=1", "id": "../x"}', b"[" * 60000):
+        with pytest.raises(OSError) as err:
+            os.setxattr(fresh_mount.path, "user.kvfs.evict", hostile)
+        assert err.value.errno == errno.EINVAL

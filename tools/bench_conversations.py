@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from kvfs import control_protocol
 from kvfs.connector.kv_connector import KVConnector
 from kvfs.geometry import GroupGeometry, LayerKind, ModelGeometry
 from kvfs.keys import BlockHasher, chunk_keys
@@ -371,7 +372,7 @@ def run_one(
             if root is not None:
                 extra["secondary_tiers"] = [{"type": "fs", "root_dir": str(root)}]
         engine = SimEngine(profile, workload, device_blocks, extra)
-        daemon = int(os.getxattr(root, "user.kvfs.pid")) if config == "host + kvfs" else None
+        daemon = int(os.getxattr(root, control_protocol.PID)) if config == "host + kvfs" else None
         before = _cpu_seconds(daemon)
         try:
             result = engine.run(config, pool, args.device_conversations)

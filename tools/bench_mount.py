@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kvfs import control_protocol
 from tools import vllm_io
 
 KVFS = [sys.executable, "-m", "kvfs.cli"]
@@ -99,7 +100,7 @@ class Target:
         """CPU seconds the mount's daemon has used (user and system, all its threads)."""
         if self.backing is None:
             return 0.0
-        pid = int(os.getxattr(self.root, "user.kvfs.pid"))
+        pid = int(os.getxattr(self.root, control_protocol.PID))
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

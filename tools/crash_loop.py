@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvfs import layout, mountctl, vllm_layout
+from kvfs import control_protocol, layout, mountctl, vllm_layout
 from tools import vllm_io
 
 KVFS = [sys.executable, "-m", "kvfs.cli"]
@@ -389,7 +389,7 @@ class CrashLoop:
         )
         if done.returncode != 0:
             raise RuntimeError(f"kvfs mount failed: {done.stderr.strip()}")
-        self.pid = int(os.getxattr(self.mnt, "user.kvfs.pid"))
+        self.pid = int(os.getxattr(self.mnt, control_protocol.PID))
 
     def kvfs_mounted(self) -> bool:
         """Whether a kvfs mount, alive or dead, is on the mountpoint (not counting anything a
