@@ -1062,9 +1062,8 @@ class Objects:
                 if dry_run:
                     gone = not self.busy(node)
                 else:
-                    gone = await self.evict(node, EvictionReason.REQUEST, wait_for_kernel=False)
-                    if gone:
-                        self.evictor.evicted(EvictionReason.REQUEST, node.size)
+                    gone = await self.evict(node, "request", wait_for_kernel=False)
+                    self.evictor.evictions["request"] += gone
                 count, size = count + gone, size + node.size * gone
             return count, size
 
