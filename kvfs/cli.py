@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`mount -t fuse.kvfs BACKING MOUNTPOINT -o NAME=VALUE,...` and fstab take the same "
         "options (docs/deployment.md).",
     )
-    mount.add_argument("mountpoint", type=Path)
+    mount.add_argument("mountpoint", type=Path, help="an empty directory to mount on")
     mount.add_argument("--backing", type=Path, metavar="DIR", help=mount_options.BACKING_HELP)
     mount_options.add_arguments(mount, daemon=False)
     mount.add_argument(
@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Unmount MOUNTPOINT and wait for its daemon to exit; also stops its "
         "supervisor and removes its read-only guard. A dead mount is unmounted lazily.",
     )
-    umount.add_argument("mountpoint", type=Path)
+    umount.add_argument("mountpoint", type=Path, help="a kvfs mount")
     umount.set_defaults(run=_cmd_umount)
 
     check = commands.add_parser(
@@ -175,18 +175,25 @@ def build_parser() -> argparse.ArgumentParser:
         "(.kvfs/quarantine in the backing directory). Exit status 1 if any was bad or "
         "unreadable, 2 if the check could not run.",
     )
-    check.add_argument("path", type=Path)
+    check.add_argument(
+        "path", type=Path, help="a mount (or in one), or a backing directory no daemon serves"
+    )
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.set_defaults(run=_cmd_verify)
 
     for name, run, help_text in (
-        ("ls", _cmd_ls, "a table per namespace: model, chunks, bytes, tokens, hit rate, reads"),
+        (
+            "ls",
+            _cmd_ls,
+            "a table per namespace: ranks, chunks, size, pinned, tokens, reads, hit rate, "
+            "last read",
+        ),
         ("du", _cmd_du, "usage against the capacity, per namespace"),
     ):
         report = commands.add_parser(
             name, help=help_text, description=help_text.capitalize() + ", from the running daemon."
         )
-        report.add_argument("mountpoint", type=Path)
+        report.add_argument("mountpoint", type=Path, help="a kvfs mount")
         report.add_argument("--json", action="store_true", help="print the report as JSON")
         report.set_defaults(run=run)
 
@@ -195,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="size, checksum, hits, last read, pin of a path",
         description="What the daemon knows of one file or directory.",
     )
-    show.add_argument("path", type=Path)
+    show.add_argument("path", type=Path, help="a file or directory in a kvfs mount")
     show.add_argument("--json", action="store_true", help="print the report as JSON")
     show.set_defaults(run=_cmd_stat)
 
@@ -206,11 +213,16 @@ def build_parser() -> argparse.ArgumentParser:
         "writes, lookup hits and misses, evictions, the I/O queue depths "
         "and the usage. Ctrl-C stops it.",
     )
-    live.add_argument("mountpoint", type=Path)
+    live.add_argument("mountpoint", type=Path, help="a kvfs mount")
     live.add_argument(
-        "--interval", type=positive(float), default=1.0, help="seconds (default %(default)s)"
+        "--interval",
+        type=positive(float),
+        default=1.0,
+        help="seconds between lines (default %(default)s)",
     )
-    live.add_argument("--count", type=positive(int), help="stop after this many lines")
+    live.add_argument(
+        "--count", type=positive(int), help="stop after this many lines (default: at Ctrl-C)"
+    )
     live.add_argument("--json", action="store_true", help="one JSON object per line")
     live.set_defaults(run=_cmd_top)
 
@@ -220,9 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Evict (delete) chunks now: all of a namespace, or "
         "all not read for AGE. Pinned chunks and files being written stay.",
     )
-    drop.add_argument("mountpoint", type=Path)
+    drop.add_argument("mountpoint", type=Path, help="a kvfs mount")
     what = drop.add_mutually_exclusive_group(required=True)
-    what.add_argument("--namespace", help="a directory at the root of the mount")
+    what.add_argument(
+        "--namespace",
+        help="a model's config directory (all its ranks), or one directory at the root, by "
+        "name or path (`kvfs ls` lists them)",
+    )
     what.add_argument(
         "--older-than",
         metavar="AGE",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes.util
 import os
 import socket
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvfs import mountctl
+from kvfs.cli import build_parser
 from tests.conftest import Mount, kvfs, make_mount
 
 
@@ -157,3 +159,17 @@ def test_refuses_a_busy_port_before_it_says_mounted(tmp_path: Path, option: str)
     assert "Address already in use" in result.stderr and option in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not mountctl.mount_stack(str(mount.path))
+
+
+def test_every_help_states_its_defaults_and_every_argument_is_explained() -> None:
+    """Issue 14: `kvfs --help` and every subcommand's help state defaults and units."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in commands.choices.items():
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, (name, action.dest)  # positionals included
+            valued = action.nargs != 0 and action.default not in (None, False)
+            if valued and action.option_strings:
+                assert "default" in action.help, (name, action.dest, action.help)
