@@ -108,7 +108,8 @@ def main() -> int:
             "Evict a namespace, or chunks not read for a while.",
             [
                 ex("evict", str(mnt), "--older-than", "1h"),
-                ex("evict", str(mnt), "--namespace", f"{ns}_r0"),
+                ex("evict", str(mnt), "--namespace", ns, "--dry-run"),
+                ex("evict", str(mnt), "--namespace", ns),
             ],
         )
         page("umount", "Unmount and wait for the daemon to exit.", [ex("umount", str(mnt))])
