@@ -538,11 +538,13 @@ class KernelSession:
         # Backing files no handle uses now, kept registered (least recently used first) so
         # that the next open of a hot chunk costs the daemon no I/O and the kernel no ioctl.
         self._idle: OrderedDict[int, _Backing] = OrderedDict()
+        # Requests answered in the receive loop, without a task: see init().
+        self._inline: dict[int, Callable[[_Request], None]] = {}
         self._handlers: dict[int, Callable[[_Request], Awaitable[None]]] = {
             Opcode.LOOKUP: self._lookup,
+            Opcode.GETATTR: self._getattr,
             Opcode.FORGET: self._forget,
             Opcode.BATCH_FORGET: self._batch_forget,
-            Opcode.GETATTR: self._getattr,
             Opcode.SETATTR: self._setattr,
             Opcode.READLINK: self._readlink,
             Opcode.SYMLINK: self._symlink,
@@ -604,6 +606,11 @@ class KernelSession:
             os.close(fd)
             raise RuntimeError(f"cannot mount {path}: {err.strerror}") from None
         self._fd, self._ops, self.mountpoint, self.options = fd, ops, path, opts
+        # Operations that answer LOOKUP and GETATTR from memory, never waiting (``lookup_now``,
+        # ``getattr_now``, ``forget_now``), are called in the receive loop: no task per
+        # request, about a third less latency for a stat or a miss.
+        if all(hasattr(ops, f"{op}_now") for op in ("lookup", "getattr", "forget")):
+            self._inline = {Opcode.LOOKUP: self._lookup_now, Opcode.GETATTR: self._getattr_now}
         self._stopping = False
         devices = _mount_devices(path)
         self._dev = devices[-1] if devices else None
@@ -648,7 +655,13 @@ class KernelSession:
                         if size is None:
                             slots.release()
                             break
-                        nursery.start_soon(self._serve, self._parse(view, size), slots)
+                        req = self._parse(view, size)
+                        inline = self._inline.get(req.opcode)
+                        if inline is not None and not self._turned_away(req):
+                            self._serve_now(inline, req)  # no task: a third less latency
+                            slots.release()
+                            continue
+                        nursery.start_soon(self._serve, req, slots)
                 # A handler that never returns must not keep the daemon from stopping: past
                 # the deadline its request stays unanswered until close() ends it.
                 nursery.cancel_scope.deadline = trio.current_time() + self.drain_timeout
@@ -996,6 +1009,15 @@ class KernelSession:
                     return None
                 raise
 
+    def _serve_now(self, handler: Callable[[_Request], None], req: _Request) -> None:
+        try:
+            handler(req)
+        except pyfuse3.FUSEError as err:
+            self._fail(req, err.errno)
+        except Exception:
+            log.exception("%s failed: EIO for this request", _opname(req.opcode))
+            self._fail(req, errno.EIO)
+
     async def _serve(self, req: _Request, slots: trio.Semaphore) -> None:
         try:
             handler = self._handlers.get(req.opcode)
@@ -1118,6 +1140,11 @@ class KernelSession:
         entry = await self._ops.lookup(req.nodeid, _name(req.body), self._ctx(req))
         await self._reply_entry(req, entry)
 
+    def _lookup_now(self, req: _Request) -> None:
+        entry = self._ops.lookup_now(req.nodeid, _name(req.body))
+        if not self._reply(req, [_entry_out(entry)]) and entry.st_ino:
+            self._ops.forget_now([(entry.st_ino, 1)])  # the kernel never counted it
+
     async def _forget(self, req: _Request) -> None:
         (nlookup,) = abi.FORGET_IN.unpack_from(req.body)
         await self._ops.forget([(req.nodeid, nlookup)])
@@ -1132,8 +1159,10 @@ class KernelSession:
         await self._ops.forget(forgets)
 
     async def _getattr(self, req: _Request) -> None:
-        attr = await self._ops.getattr(req.nodeid, self._ctx(req))
-        self._reply(req, [_attr_out(attr)])
+        self._reply(req, [_attr_out(await self._ops.getattr(req.nodeid, self._ctx(req)))])
+
+    def _getattr_now(self, req: _Request) -> None:
+        self._reply(req, [_attr_out(self._ops.getattr_now(req.nodeid))])
 
     async def _setattr(self, req: _Request) -> None:
         (valid, _, fh, size, _, atime, mtime, ctime, atime_ns, mtime_ns, ctime_ns, mode, _, uid,

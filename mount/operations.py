@@ -156,6 +156,10 @@ class KvfsOperations(pyfuse3.Operations):
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
+        return self.lookup_now(parent_inode, name)
+
+    def lookup_now(self, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes:
+        """LOOKUP from memory, without waiting on anything: a session may answer it inline."""
         if parent_inode == control.DIR_INO or (parent_inode == ROOT_INO and name == control.NAME):
             ino = control.DIR_INO if parent_inode == ROOT_INO else control.FILES.get(name)
             if ino is None:
@@ -181,10 +185,17 @@ class KvfsOperations(pyfuse3.Operations):
         return self._entry(node)
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        self.forget_now(inode_list)
+
+    def forget_now(self, inode_list: list[tuple[int, int]]) -> None:
         for ino, count in inode_list:
             self.index.forget(ino, count)
 
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.getattr_now(inode)
+
+    def getattr_now(self, inode: int) -> pyfuse3.EntryAttributes:
+        """GETATTR from memory, without waiting on anything (see `lookup_now`)."""
         if control.is_control(inode):
             return control.attrs(inode, self.cfg.cache_timeout)
         return self._attrs(self._node(inode))
