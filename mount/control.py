@@ -78,7 +78,8 @@ def report(
         "files": index.files,
         "bytes": index.bytes,
         "evictions": dict(evictor.evictions),
-        "counters": dict(objects.counters),
+        "evicted_bytes": dict(evictor.evicted_bytes),
+        "counters": objects.counters.report(),
         "lookups": {
             "hit": sum(c["hit"] for c in lookups.values()),
             "miss": sum(c["miss"] for c in lookups.values()),

@@ -15,6 +15,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from enum import StrEnum
 
 import trio
 
@@ -27,13 +28,22 @@ HIGH_WATERMARK = 0.95
 LOW_WATERMARK = 0.90
 
 
+class EvictionReason(StrEnum):
+    """Why a file was evicted: the ``reason`` label of the eviction metrics (snake_case)."""
+
+    CAPACITY = "capacity"  # a publish needed room under the capacity
+    WATERMARK = "watermark"  # the background sweep, from the high watermark down to the low
+    DISK_FULL = "disk_full"  # the backing filesystem filled up before the capacity did
+    REQUEST = "request"  # `kvfs evict`
+
+
 class Evictor:
     def __init__(
         self,
         index: Index,
         capacity: int,
         exempt: Callable[[Node], bool],
-        remove: Callable[[Node, str], Awaitable[bool]],
+        remove: Callable[[Node, EvictionReason], Awaitable[bool]],
     ) -> None:
         """``exempt``: may this file not go now; ``remove``: delete it (False if it can't)."""
         self.index = index
@@ -41,7 +51,8 @@ class Evictor:
         self._exempt = exempt
         self._remove = remove
         self.reserved = 0
-        self.evictions: Counter[str] = Counter()  # by reason: capacity, watermark
+        self.evictions: Counter[EvictionReason] = Counter()  # files
+        self.evicted_bytes: Counter[EvictionReason] = Counter()  # their sizes
         self._sweep_wanted = trio.Event()
 
     @property
@@ -56,7 +67,7 @@ class Evictor:
         """Make room for a publish of ``size`` bytes and hold it; returns what to release."""
         need = on_disk(size)
         while self.used + self.reserved + need > self.capacity:
-            if not await self._evict_one("capacity"):
+            if not await self._evict_one(EvictionReason.CAPACITY):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self.reserved += need
         return need
@@ -66,7 +77,12 @@ class Evictor:
         if self.used > HIGH_WATERMARK * self.capacity:
             self._sweep_wanted.set()
 
-    async def free_up(self, size: int, reason: str) -> bool:
+    def evicted(self, reason: EvictionReason, size: int) -> None:
+        """Count a file of ``size`` bytes evicted."""
+        self.evictions[reason] += 1
+        self.evicted_bytes[reason] += size
+
+    async def free_up(self, size: int, reason: EvictionReason) -> bool:
         """Evict until ``size`` more bytes are free on disk (the backing store said ENOSPC)."""
         target = self.used - on_disk(size)
         while self.used > target:
@@ -82,7 +98,7 @@ class Evictor:
             before, count = self.used, 0
             try:
                 while self.used > LOW_WATERMARK * self.capacity and await self._evict_one(
-                    "watermark"
+                    EvictionReason.WATERMARK
                 ):
                     count += 1
             except OSError as err:  # the backing store failed one: try next time
@@ -96,7 +112,7 @@ class Evictor:
                     self.capacity,
                 )
 
-    async def _evict_one(self, reason: str) -> bool:
+    async def _evict_one(self, reason: EvictionReason) -> bool:
         """Evict the policy's next victim; False if nothing can go."""
         policy = self.index.policy
         while True:
@@ -106,6 +122,7 @@ class Evictor:
             node = self.index.get(ino)
             if node is None or not node.attached:
                 continue
+            size = node.size
             try:
                 removed = await self._remove(node, reason)
             except BaseException:
@@ -113,7 +130,7 @@ class Evictor:
                     policy.insert(ino, node.size)
                 raise
             if removed:
-                self.evictions[reason] += 1
+                self.evicted(reason, size)
                 return True
             if node.attached:  # it became busy meanwhile: keep it (now exempt), pick another
                 policy.insert(ino, node.size)

@@ -1,12 +1,22 @@
 """Prometheus `/metrics` for a mount (``kvfs mount ... --metrics-port PORT``).
 
-State is read from a snapshot of the daemon's report that the event loop refreshes every
-second: the HTTP server runs on its own thread and must never walk structures the loop is
-changing. Request latencies are observed as they happen (prometheus-client is thread-safe).
+Every scrape shows the daemon as it is at that moment. The HTTP server runs on its own thread
+and must never walk structures the event loop is changing, so it asks the loop for the daemon's
+report (``Metrics.current``: one call between two requests, no lock anywhere on the data path)
+and builds the metric families from it on its own thread; the backing filesystem's free space
+it asks the kernel itself (statvfs), off the loop. Request latencies are observed as they
+happen (prometheus-client is thread-safe).
+
+Label values are fixed, snake_case words (``reason="disk_full"``), except the namespace and
+model names, which are the directories' and the config's own.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import platform
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from functools import wraps
@@ -16,7 +26,16 @@ import trio
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvfs import __version__
+from kvfs.mount.eviction import EvictionReason
+from kvfs.mount.objects import PublishFailure
+
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# How long a scrape waits for the event loop to answer. A loop that does not answer within it is
+# stuck (the log says so): the scrape gets the last report, not a hang.
+LOOP_ANSWER_SECONDS = 5.0
 
 # The FUSE operations whose latency is worth a histogram (the data path and the namespace).
 TIMED_OPERATIONS = (
@@ -36,11 +55,15 @@ TIMED_OPERATIONS = (
     "setxattr",
 )
 
+Report = dict[str, Any]
+
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.snapshot: dict[str, Any] = {}
+        self._report: Callable[[], Report] | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._last: Report = {}  # the last report a scrape got
         self.latency = Histogram(
             "kvfs_operation_duration_seconds",
             "Time to answer a FUSE request, by operation",
@@ -68,19 +91,50 @@ class Metrics:
                 30,
             ),
         )
-        self.registry.register(_SnapshotCollector(self))
+        self.registry.register(_ReportCollector(self))
 
     def serve(self, port: int, address: str) -> None:
         """Listen on ``address`` (--metrics-address: loopback unless the operator says
         otherwise, since /metrics names every model namespace on the mount)."""
         start_http_server(port, addr=address, registry=self.registry)
 
-    async def refresh_forever(self, report: Callable[[], dict[str, Any]]) -> None:
-        """Keep the snapshot fresh, from the event loop (the HTTP thread must not walk the
-        live index)."""
-        while True:
-            self.snapshot = report()
-            await trio.sleep(1)
+    async def refresh_forever(self, report: Callable[[], Report]) -> None:
+        """From now until the event loop ends, answer each scrape with ``report()`` as the
+        loop computes it at that moment (called on the loop; nothing runs on a timer)."""
+        self._report = report
+        self._token = trio.lowlevel.current_trio_token()
+        try:
+            await trio.sleep_forever()
+        finally:
+            self._token = None
+
+    def current(self) -> Report:
+        """The daemon's report now, computed on the event loop (called from a scrape's
+        thread); {} before the loop serves. If the loop does not answer within
+        LOOP_ANSWER_SECONDS, the last report a scrape got."""
+        token, report = self._token, self._report
+        if token is None or report is None:
+            return self._last
+        answered = threading.Event()
+        answer: list[Report] = []
+
+        def on_the_loop() -> None:  # must not raise: trio would end the loop
+            try:
+                answer.append(report())
+            except Exception:
+                log.exception("the report for /metrics failed")
+            finally:
+                answered.set()
+
+        try:
+            token.run_sync_soon(on_the_loop)
+        except trio.RunFinishedError:  # unmounting
+            return self._last
+        if answered.wait(LOOP_ANSWER_SECONDS) and answer:
+            self._last = answer[0]
+        else:
+            log.warning("/metrics: the event loop did not answer in %.0fs", LOOP_ANSWER_SECONDS)
+        return self._last
 
     def timed(self, name: str, handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         """The handler, its latency observed if it is one of TIMED_OPERATIONS."""
@@ -99,89 +153,157 @@ class Metrics:
         return wrapper
 
 
-class _SnapshotCollector:
+class _ReportCollector:
+    """The daemon's state, as metric families, from the report of the moment of the scrape."""
+
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        s = self._metrics.snapshot
+        s = self._metrics.current()
         if not s:
             return
-        yield _gauge("kvfs_capacity_bytes", "Bytes the tier may hold", s["capacity"])
-        yield _gauge("kvfs_used_bytes", "Bytes held (file sizes in 4 KiB blocks)", s["used"])
-        yield _gauge("kvfs_chunks", "Files in the tier", s["files"])
+        info = GaugeMetricFamily(
+            "kvfs_build_info",
+            "1, labelled with the kvfs version, the FUSE session and the Python version",
+            labels=["version", "session", "python"],
+        )
+        info.add_metric([__version__, s["session"]["name"], platform.python_version()], 1)
+        yield info
+        yield from _space(s)
+        yield from _activity(s)
+        yield from _health(s)
+        yield from _queues_and_namespaces(s)
+
+
+def _space(s: Report) -> Iterator[Metric]:
+    yield _gauge("kvfs_capacity_bytes", "Bytes the tier may hold", s["capacity"])
+    yield _gauge("kvfs_used_bytes", "Bytes held (file sizes in 4 KiB blocks)", s["used"])
+    if "pinned_bytes" in s:
+        yield _gauge("kvfs_pinned_bytes", "Bytes eviction may not take (pinned)", s["pinned_bytes"])
+    chunks = sum(ns["chunks"] for ns in s["namespaces"])
+    yield _gauge("kvfs_chunks", "Chunk files in the tier (not the namespaces' config.json)", chunks)
+    try:
+        st = os.statvfs(s["backing"])  # this thread's wait, never the event loop's
+    except OSError as err:
+        log.warning("/metrics: statvfs of the backing directory: %s", err)
+    else:
         yield _gauge(
-            "kvfs_write_buffer_bytes",
-            "Memory held by files being written",
-            s["write_buffer"]["used"],
+            "kvfs_backing_free_bytes",
+            "Bytes free for kvfs on the backing filesystem (df's Avail), shared with others",
+            st.f_bavail * st.f_frsize,
         )
-        counters = s["counters"]
-        yield _counter("kvfs_reads", "Files opened for reading", counters.get("reads", 0))
-        yield _counter(
-            "kvfs_read_bytes",
-            "Bytes read from the backing store and verified",
-            counters.get("bytes_read", 0),
+        yield _gauge(
+            "kvfs_backing_size_bytes",
+            "Size of the backing filesystem",
+            st.f_blocks * st.f_frsize,
         )
-        yield _counter(
-            "kvfs_publishes", "Files published (written whole)", counters.get("publishes", 0)
-        )
-        yield _counter("kvfs_written_bytes", "Bytes published", counters.get("bytes_written", 0))
-        lookups = CounterMetricFamily(
-            "kvfs_lookups",
-            "Chunks opened for reading (hit), lookups of chunk names no store followed (miss)",
-            labels=["result"],
-        )
-        for result in ("hit", "miss"):
-            lookups.add_metric([result], s["lookups"][result])
-        yield lookups
-        evictions = CounterMetricFamily(
-            "kvfs_evictions", "Files evicted, by reason", labels=["reason"]
-        )
-        for reason in ("capacity", "watermark", "disk full", "request"):
-            evictions.add_metric([reason], s["evictions"].get(reason, 0))
-        yield evictions
-        yield _counter(
-            "kvfs_checksum_failures",
-            "Reads that failed their checksum (the file was quarantined)",
-            s["checksum_failures"],
-        )
-        yield _counter(
-            "kvfs_deadline_expiries",
-            "Requests failed with EIO after --io-timeout",
-            s["deadline_expiries"],
-        )
-        scrub = s["scrub"]
-        yield _counter("kvfs_scrub_files", "Files the background scrub checked", scrub["files"])
-        yield _counter("kvfs_scrub_bytes", "Bytes the background scrub checked", scrub["bytes"])
-        yield _counter("kvfs_scrub_passes", "Complete passes of the scrub", scrub["passes"])
-        yield _counter(
-            "kvfs_scrub_failures",
-            "Files the scrub found corrupt (each was quarantined)",
-            scrub["failures"],
-        )
-        depth = GaugeMetricFamily(
-            "kvfs_queue_depth", "Backing-store jobs waiting, per queue", labels=["queue"]
-        )
-        running = GaugeMetricFamily(
-            "kvfs_queue_running", "Backing-store jobs running", labels=["queue"]
-        )
-        for queue, state in s["queues"].items():
-            depth.add_metric([queue], state["waiting"])
-            running.add_metric([queue], state["running"])
-        yield depth
-        yield running
-        ns_chunks = GaugeMetricFamily(
-            "kvfs_namespace_chunks", "Chunks per namespace", labels=["namespace", "model"]
-        )
-        ns_bytes = GaugeMetricFamily(
-            "kvfs_namespace_bytes", "Bytes per namespace", labels=["namespace", "model"]
-        )
-        for ns in s["namespaces"]:
-            labels = [ns["namespace"], ns["model"] or ""]
-            ns_chunks.add_metric(labels, ns["chunks"])
-            ns_bytes.add_metric(labels, ns["bytes"])
-        yield ns_chunks
-        yield ns_bytes
+    buffer = s["write_buffer"]
+    yield _gauge("kvfs_write_buffer_bytes", "Memory held by files being written", buffer["used"])
+    yield _gauge(
+        "kvfs_write_buffer_limit_bytes",
+        "Memory files being written may hold (--write-buffer); writers wait beyond it",
+        buffer["capacity"],
+    )
+
+
+def _activity(s: Report) -> Iterator[Metric]:
+    counters = s["counters"]
+    yield _counter("kvfs_reads", "Files opened for reading", counters["reads"])
+    yield _counter(
+        "kvfs_read_bytes", "Bytes read from the backing store and verified", counters["bytes_read"]
+    )
+    yield _counter("kvfs_publishes", "Files published (written whole)", counters["publishes"])
+    yield _counter("kvfs_written_bytes", "Bytes published", counters["bytes_written"])
+    yield _by_reason(
+        "kvfs_publish_failures",
+        "Files their writer closed that were not published, by reason (the writer was told)",
+        PublishFailure,
+        counters["publish_failures"],
+    )
+    lookups = CounterMetricFamily(
+        "kvfs_lookups",
+        "Chunks opened for reading (hit), lookups of chunk names no store followed (miss)",
+        labels=["result"],
+    )
+    for result in ("hit", "miss"):
+        lookups.add_metric([result], s["lookups"][result])
+    yield lookups
+    yield _by_reason("kvfs_evictions", "Files evicted, by reason", EvictionReason, s["evictions"])
+    yield _by_reason(
+        "kvfs_evicted_bytes",
+        "Bytes of the files evicted, by reason",
+        EvictionReason,
+        s["evicted_bytes"],
+    )
+
+
+def _health(s: Report) -> Iterator[Metric]:
+    counters = s["counters"]
+    yield _counter(
+        "kvfs_checksum_failures",
+        "Reads and scrubs that failed their checksum (the file was quarantined)",
+        s["checksum_failures"],
+    )
+    yield _counter(
+        "kvfs_quarantined", "Files moved to .kvfs/quarantine (corrupt)", counters["quarantined"]
+    )
+    yield _counter(
+        "kvfs_quarantined_bytes", "Bytes of the files quarantined", counters["quarantined_bytes"]
+    )
+    yield _counter(
+        "kvfs_deadline_expiries",
+        "Requests failed with EIO after --io-timeout",
+        s["deadline_expiries"],
+    )
+    scrub = s["scrub"]
+    yield _counter("kvfs_scrub_files", "Files the background scrub checked", scrub["files"])
+    yield _counter("kvfs_scrub_bytes", "Bytes the background scrub checked", scrub["bytes"])
+    yield _counter("kvfs_scrub_passes", "Complete passes of the scrub", scrub["passes"])
+    yield _counter(
+        "kvfs_scrub_failures",
+        "Files the scrub found corrupt (each was quarantined)",
+        scrub["failures"],
+    )
+
+
+def _queues_and_namespaces(s: Report) -> Iterator[Metric]:
+    depth = GaugeMetricFamily(
+        "kvfs_queue_depth", "Backing-store jobs waiting, per queue", labels=["queue"]
+    )
+    running = GaugeMetricFamily(
+        "kvfs_queue_running", "Backing-store jobs running", labels=["queue"]
+    )
+    for queue, state in s["queues"].items():
+        depth.add_metric([queue], state["waiting"])
+        running.add_metric([queue], state["running"])
+    yield depth
+    yield running
+    ns_chunks = GaugeMetricFamily(
+        "kvfs_namespace_chunks", "Chunks per namespace", labels=["namespace", "model"]
+    )
+    ns_bytes = GaugeMetricFamily(
+        "kvfs_namespace_bytes", "Bytes per namespace", labels=["namespace", "model"]
+    )
+    for ns in s["namespaces"]:
+        labels = [ns["namespace"], ns["model"] or ""]
+        ns_chunks.add_metric(labels, ns["chunks"])
+        ns_bytes.add_metric(labels, ns["bytes"])
+    yield ns_chunks
+    yield ns_bytes
+
+
+def _by_reason(
+    name: str,
+    documentation: str,
+    reasons: type[EvictionReason] | type[PublishFailure],
+    counts: dict[Any, int],
+) -> CounterMetricFamily:
+    """A counter with a sample for every reason, 0 or not (a dashboard's series exist)."""
+    family = CounterMetricFamily(name, documentation, labels=["reason"])
+    for reason in reasons:
+        family.add_metric([reason.value], counts.get(reason, 0))
+    return family
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

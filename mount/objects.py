@@ -32,6 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
@@ -44,7 +45,7 @@ from kvfs.config import MountConfig
 from kvfs.index import Index, Node
 from kvfs.io_queues import DualQueuePool, Queue
 from kvfs.mount.bridge import IO, ByteBudget, Detached, Future
-from kvfs.mount.eviction import Evictor
+from kvfs.mount.eviction import EvictionReason, Evictor
 from kvfs.store import BackingStore, Published, fill_times
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,52 @@ Attrs = tuple[int, int, int, tuple[int, int]]  # mode, uid, gid, (atime, mtime)
 
 def fail(code: int) -> OSError:
     return OSError(code, os.strerror(code))
+
+
+class DeadlineExpired(OSError):
+    """EIO for a request that waited past ``io_timeout`` (see ``Objects.deadline``)."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.EIO, os.strerror(errno.EIO))
+
+
+class PublishFailure(StrEnum):
+    """Why a file its writer closed was not published: the ``reason`` label of
+    kvfs_publish_failures_total (snake_case)."""
+
+    NO_SPACE = "no_space"  # ENOSPC: nothing could be evicted for it, or the disk stayed full
+    TOO_LARGE = "too_large"  # EFBIG: larger than the write buffer
+    TIMEOUT = "timeout"  # waited past --io-timeout, on the backing store or for buffer memory
+    IO_ERROR = "io_error"  # the backing store failed otherwise (EIO, EROFS, ...)
+
+    @classmethod
+    def of(cls, err: OSError) -> PublishFailure:
+        if isinstance(err, DeadlineExpired) or err.errno == errno.ETIMEDOUT:
+            return cls.TIMEOUT
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return cls.NO_SPACE
+        if err.errno == errno.EFBIG:
+            return cls.TOO_LARGE
+        return cls.IO_ERROR
+
+
+@dataclass
+class ObjectCounters:
+    """What the object layer did since the mount (the daemon's report and /metrics show it)."""
+
+    reads: int = 0  # published files opened for reading
+    bytes_read: int = 0  # read from the backing store and verified
+    publishes: int = 0  # files published (written whole)
+    bytes_written: int = 0  # bytes published
+    publish_failures: Counter[PublishFailure] = field(default_factory=Counter)  # files
+    quarantined: int = 0  # files that failed their checksum, moved to .kvfs/quarantine
+    quarantined_bytes: int = 0
+
+    def report(self) -> dict[str, Any]:
+        """As the daemon's report (JSON) shows them: every failure reason, 0 or not."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values["publish_failures"] = {r.value: self.publish_failures[r] for r in PublishFailure}
+        return values
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
@@ -160,7 +207,7 @@ class Objects:
         self.extents = ExtentPool(keep_bytes=cfg.write_buffer_bytes)
         self.writes: dict[int, WriteState] = {}
         self.releasing = 0  # last releases of written files under way
-        self.counters: Counter[str] = Counter()  # reads, bytes_read, publishes, bytes_written
+        self.counters = ObjectCounters()
         self.deadline_expiries = 0
         self.checksum_failures = 0
         index.on_release = self._released
@@ -195,7 +242,7 @@ class Objects:
         if scope.cancelled_caught:
             self.deadline_expiries += 1
             log.warning("%s %.1fs: EIO", what, self.cfg.io_timeout)
-            raise fail(errno.EIO)
+            raise DeadlineExpired()
 
     async def bounded(
         self, fn: Callable[[], Awaitable[T]], undo: Callable[[T], None] | None = None
@@ -524,7 +571,7 @@ class Objects:
             try:
                 await self._reserve(ws, offset, offset + len(data))
             except OSError as err:
-                ws.failed = err.errno  # the file can no longer be what its writer meant
+                self._failed(node, ws, err)  # the file can no longer be what its writer meant
                 raise
             ws.buffer.write(offset, data)
             ws.changed()
@@ -565,7 +612,7 @@ class Objects:
             raise fail(ws.failed)
         if process.killed_by_signal(opener):
             ws.abandoned = True
-            log.warning("inode %d: its writer was killed with it open: not published", node.ino)
+            log.warning("%s: its writer was killed with it open: not published", self._name(node))
             return
         if ws.dirty:
             await self._prepare_or_fail(node, ws, durable=False)
@@ -594,7 +641,9 @@ class Objects:
         try:
             await self.bounded(partial(self._release_writer, node, ws))
         except OSError as err:
-            log.warning("publish of inode %d failed at release: %s", node.ino, err)
+            # A failed publish was counted and logged where it failed; past the deadline (which
+            # logged that) it goes on in the background.
+            log.debug("last release of %s: %s", self._name(node), err)
         finally:
             self.releasing -= 1
 
@@ -613,8 +662,23 @@ class Objects:
         try:
             await self.bounded(partial(self._prepare, node, ws, durable))
         except OSError as err:
-            ws.failed = err.errno or errno.EIO  # the writer was told: never published
+            self._failed(node, ws, err)  # the writer is told: never published
             raise
+
+    def _failed(self, node: Node, ws: WriteState, err: OSError) -> None:
+        """A write, close or the publish of the file failed: it will not be published. Counted
+        and logged once per file, at once: it still has the name its writer gave it."""
+        if ws.failed is None:
+            reason = PublishFailure.of(err)
+            self.counters.publish_failures[reason] += 1
+            log.warning("publish of %s failed (%s): %s", self._name(node), reason, err)
+        ws.failed = err.errno or errno.EIO
+
+    def _name(self, node: Node) -> str:
+        """What the log calls a file: its path under the mount, as the operator finds it."""
+        if node.attached:
+            return self.index.path(node).decode(errors="replace")
+        return f"inode {node.ino} (unlinked)"
 
     async def _prepare(self, node: Node, ws: WriteState, durable: bool) -> None:
         async with ws.lock:  # writes to this file wait until its bytes are on the store
@@ -682,13 +746,13 @@ class Objects:
             return
         if ws.failed is not None or ws.abandoned or prepared is None:
             why = "a write failed" if ws.failed is not None else "its writer did not close it"
-            log.info("inode %d not published: %s", node.ino, why)
+            log.info("%s not published: %s", self._name(node), why)
             if prepared is not None:
                 self._discard(ws, prepared)
             return
         if prepared.version != await self._version(ws):  # changed after its close (mmap)
             self._discard(ws, prepared)
-            log.info("inode %d not published: changed after its last close", node.ino)
+            log.info("%s not published: changed after its last close", self._name(node))
             return
         try:
             if prepared.published is None:  # a passthrough file: checksummed at its publish
@@ -696,6 +760,9 @@ class Objects:
                 attrs = self._file_attrs(node)  # a chmod or touch after its close holds
                 prepared = await self._seal(ws.file, dataclasses.replace(prepared, attrs=attrs))
             rewritten = await self._commit(node, ws, prepared)
+        except OSError as err:  # its writer's close() succeeded: only the count and log tell
+            self._failed(node, ws, err)
+            raise
         finally:  # after set_published: the bytes are counted in one place at all times
             self.evictor.release(prepared.held)
         assert prepared.published is not None
@@ -740,8 +807,8 @@ class Objects:
                 node.parent.meta = namespaces.parse_config(config)
             self.index.set_published(node, pub.size, pub.blocks)
             ws.dirty = False
-            self.counters["publishes"] += 1
-            self.counters["bytes_written"] += pub.size
+            self.counters.publishes += 1
+            self.counters.bytes_written += pub.size
             self.listener.stored(node)
             return rewritten
 
@@ -758,7 +825,7 @@ class Objects:
                 # it, or readers still hold evicted files open): make room the same way.
                 if err.errno != errno.ENOSPC:
                     raise
-                if not await self.evictor.free_up(data.size, "disk full"):
+                if not await self.evictor.free_up(data.size, EvictionReason.DISK_FULL):
                     raise
         raise fail(errno.ENOSPC)
 
@@ -905,7 +972,7 @@ class Objects:
         survives a restart. ESTALE if the file went after the kernel resolved its name."""
         self._check_published(node)
         self.index.read(node, time.time_ns())
-        self.counters["reads"] += 1
+        self.counters.reads += 1
         rel = self._backing_rel(node)
         self.io.submit(Queue.WRITE, self.store.save_recency, rel, node.last_read_ns, node.hits)
 
@@ -923,7 +990,7 @@ class Objects:
                 raise fail(errno.EIO)
             reader = await self._open_backing(node)
         data = await self._read_verified(node, reader)
-        self.counters["bytes_read"] += data.size
+        self.counters.bytes_read += data.size
         return reader, data
 
     async def _read_backing(self, node: Node) -> ChunkBuffer:
@@ -992,6 +1059,8 @@ class Objects:
             node.on_backing = False
             self.listener.removed(node)
             self.index.detach(node)
+            self.counters.quarantined += 1
+            self.counters.quarantined_bytes += node.size
         log.error(
             "quarantined %s to %s: %s",
             rel.decode(errors="replace"),
@@ -1014,7 +1083,7 @@ class Objects:
             or namespaces.is_namespace_config(node)
         )
 
-    async def evict(self, node: Node, reason: str, wait_for_kernel: bool = True) -> bool:
+    async def evict(self, node: Node, reason: EvictionReason, wait_for_kernel: bool = True) -> bool:
         """Remove a file to make room, now: its space must be free for the publish that asked.
 
         Readers that opened it keep their own descriptors of its bytes; an open through a name
@@ -1062,8 +1131,9 @@ class Objects:
                 if dry_run:
                     gone = not self.busy(node)
                 else:
-                    gone = await self.evict(node, "request", wait_for_kernel=False)
-                    self.evictor.evictions["request"] += gone
+                    gone = await self.evict(node, EvictionReason.REQUEST, wait_for_kernel=False)
+                    if gone:
+                        self.evictor.evicted(EvictionReason.REQUEST, node.size)
                 count, size = count + gone, size + node.size * gone
             return count, size
 
