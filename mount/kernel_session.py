@@ -1236,7 +1236,8 @@ class KernelSession:
     async def _open(self, req: _Request) -> None:
         flags, _ = abi.OPEN_IN.unpack_from(req.body)
         fi = await self._ops.open(req.nodeid, flags, self._ctx(req))
-        await self._reply_open(req, req.nodeid, fi, None)
+        read_only = flags & os.O_ACCMODE == os.O_RDONLY
+        await self._reply_open(req, req.nodeid, fi, None, read_only)
 
     async def _create(self, req: _Request) -> None:
         flags, mode, umask, _ = abi.CREATE_IN.unpack_from(req.body)
@@ -1251,8 +1252,10 @@ class KernelSession:
         ino: int,
         fi: pyfuse3.FileInfo,
         entry: pyfuse3.EntryAttributes | None,
+        read_only: bool = False,
     ) -> None:
-        flags = OpenFlag(0)
+        # A reader's close() has nothing to flush: no FLUSH round trip for it.
+        flags = OpenFlag.NOFLUSH if read_only else OpenFlag(0)
         if fi.direct_io:
             flags |= OpenFlag.DIRECT_IO
         if fi.keep_cache:
@@ -1263,7 +1266,7 @@ class KernelSession:
         if backing_id:
             # The kernel caches nothing of its own for the handle: the backing file's page
             # cache serves it, so DIRECT_IO and KEEP_CACHE have no meaning here.
-            flags = OpenFlag.PASSTHROUGH | (flags & OpenFlag.NONSEEKABLE)
+            flags = OpenFlag.PASSTHROUGH | (flags & (OpenFlag.NONSEEKABLE | OpenFlag.NOFLUSH))
             self.stats.passthrough_opens += 1
         else:
             self.stats.served_opens += 1
