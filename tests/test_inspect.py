@@ -40,6 +40,7 @@ def store_two_namespaces(mount: Mount) -> None:
                 vllm_io.chunk_path(str(mount.path), key, namespace=ns),
                 vllm_io.chunk_bytes(key, CHUNK),
             )
+    mount.settle()  # every chunk published (the kernel session publishes at the last release)
 
 
 def test_xattrs_ls_du_and_stat_report_exact_counts(fresh_mount: Mount) -> None:
