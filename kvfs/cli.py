@@ -9,7 +9,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return FOUND if report.bad or report.errors else 0
 
 
-def _emit(args: argparse.Namespace, result: tuple[dict[str, Any], str]) -> int:
+def _emit(args: argparse.Namespace, result: tuple[Mapping[str, Any], str]) -> int:
     data, text = result
     print(json.dumps(data, indent=2) if args.json else text)
     return 0

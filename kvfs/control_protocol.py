@@ -16,6 +16,7 @@ Written: ``pin`` (0/1, anywhere), ``evict`` (JSON, on the root), ``verify`` (on 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, NotRequired, TypedDict
 
 CONTROL_DIR = ".kvfs"
 USAGE = "usage.json"
@@ -44,3 +45,54 @@ VERIFY = PREFIX + "verify"
 def report_path(mount: Path, walk: bool) -> Path:
     """The control file with the daemon's report; ``walk``: the one that needs every file."""
     return mount / CONTROL_DIR / (NAMESPACES if walk else USAGE)
+
+
+class NamespaceReport(TypedDict):
+    """One namespace: a model's config directory with its ``_r<rank>`` data directories."""
+
+    namespace: str
+    directories: list[str]
+    ranks: list[int]
+    model: str | None
+    dtype: str | None
+    tokens_per_chunk: int | None
+    chunks: int
+    bytes: int
+    tokens: int | None  # every rank holds its shard of the same tokens: counted once
+    lookups: int  # hits + misses
+    hit_rate: float | None
+    # namespaces.json only (they need every file):
+    reads: NotRequired[int]
+    pinned_bytes: NotRequired[int]
+    oldest_read: NotRequired[str | None]  # ISO 8601, of the chunks read at least once
+    newest_read: NotRequired[str | None]
+
+
+class QueueReport(TypedDict):
+    waiting: int
+    running: int
+
+
+class Report(TypedDict):
+    """usage.json and namespaces.json: the daemon's state at the moment the file was opened."""
+
+    time: float  # seconds since the epoch
+    pid: int
+    backing: str
+    capacity: int  # bytes
+    used: int  # bytes held, in whole 4 KiB blocks
+    reserved: int  # bytes promised to files being published
+    pinned_bytes: int
+    files: int
+    bytes: int  # sum of the file sizes
+    evictions: dict[str, int]  # files, by reason
+    evicted_bytes: dict[str, int]
+    counters: dict[str, Any]  # reads, bytes_read, publishes, ..., publish_failures by reason
+    lookups: dict[str, int]  # hit, miss
+    checksum_failures: int
+    deadline_expiries: int
+    scrub: dict[str, int]  # files, bytes, passes, failures
+    session: dict[str, object]  # name, passthrough, opens by kind
+    queues: dict[str, QueueReport]  # read, write
+    write_buffer: dict[str, int]  # used, capacity
+    namespaces: list[NamespaceReport]

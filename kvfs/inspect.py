@@ -11,6 +11,7 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,10 @@ def mount_of(path: Path) -> Path:
     raise InspectError(f"{target} is not in a kvfs mount")
 
 
-def report(mount: Path, walk: bool) -> dict[str, Any]:
+def report(mount: Path, walk: bool) -> proto.Report:
     with open(proto.report_path(mount_of(mount), walk), "rb") as f:
-        return json.loads(f.read())  # type: ignore[no-any-return]
+        data: proto.Report = json.loads(f.read())
+        return data
 
 
 def human(size: float | None) -> str:
@@ -69,7 +71,7 @@ def ago(iso: str | None, now: float) -> str:
     return f"{seconds:.0f}s ago"
 
 
-def ls(mount: Path) -> tuple[dict[str, Any], str]:
+def ls(mount: Path) -> tuple[Mapping[str, Any], str]:
     """One row per namespace (a model's config directory and its ``_r<rank>`` data
     directories); model, dtype and each directory are in ``--json``."""
     data = report(mount, walk=True)
@@ -104,23 +106,23 @@ def ls(mount: Path) -> tuple[dict[str, Any], str]:
     return data, table(rows)
 
 
-def du(mount: Path) -> tuple[dict[str, Any], str]:
+def du(mount: Path) -> tuple[Mapping[str, Any], str]:
     data = report(mount, walk=False)
     capacity, used = data["capacity"], data["used"]
     # What a writer can still get: the mount's statfs caps the capacity's room by what the
     # backing disk has left (other data may share it), as `df` shows.
     st = os.statvfs(mount_of(mount))
-    data["free"] = st.f_bavail * st.f_frsize
+    free = st.f_bavail * st.f_frsize
     lines = [
         f"{human(used)} of {human(capacity)} used ({used / capacity:.1%}), "
-        f"{data['files']} files, {human(data['free'])} free, "
+        f"{data['files']} files, {human(free)} free, "
         f"{human(data['pinned_bytes'])} pinned"
     ]
     rows = [["NAMESPACE", "CHUNKS", "BYTES", "SHARE"]]
     for ns in data["namespaces"]:
         share = ns["bytes"] / used if used else 0
         rows.append([ns["namespace"], str(ns["chunks"]), human(ns["bytes"]), f"{share:.1%}"])
-    return data, "\n".join([*lines, table(rows)])
+    return {**data, "free": free}, "\n".join([*lines, table(rows)])
 
 
 def stat(path: Path) -> tuple[dict[str, Any], str]:
@@ -196,21 +198,23 @@ def namespace_name(top: Path, given: str) -> str:
     return name
 
 
-def rates(previous: dict[str, Any], current: dict[str, Any]) -> dict[str, float]:
+def rates(previous: proto.Report, current: proto.Report) -> dict[str, float]:
     """Per-second rates of the daemon's counters between two reports."""
     span = current["time"] - previous["time"] or 1.0
 
-    def delta(group: str, key: str) -> float:
-        return float(current[group].get(key, 0) - previous[group].get(key, 0)) / span
+    def delta(now: Mapping[str, Any], before: Mapping[str, Any], key: str) -> float:
+        return float(now.get(key, 0) - before.get(key, 0)) / span
 
+    counters = (current["counters"], previous["counters"])
+    lookups = (current["lookups"], previous["lookups"])
     evicted = sum(current["evictions"].values()) - sum(previous["evictions"].values())
     return {
-        "reads": delta("counters", "reads"),
-        "bytes_read": delta("counters", "bytes_read"),
-        "writes": delta("counters", "publishes"),
-        "bytes_written": delta("counters", "bytes_written"),
-        "hits": delta("lookups", "hit"),
-        "misses": delta("lookups", "miss"),
+        "reads": delta(*counters, "reads"),
+        "bytes_read": delta(*counters, "bytes_read"),
+        "writes": delta(*counters, "publishes"),
+        "bytes_written": delta(*counters, "bytes_written"),
+        "hits": delta(*lookups, "hit"),
+        "misses": delta(*lookups, "miss"),
         "evictions": evicted / span,
     }
 

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kvfs import vllm_layout
+from kvfs.control_protocol import NamespaceReport
 from kvfs.index import Index, Node
 
 CONFIG_MAX_BYTES = 1 << 20  # a real config.json is a few hundred bytes
@@ -137,7 +138,7 @@ def groups(index: Index) -> dict[bytes, list[Node]]:
 
 def namespaces(
     index: Index, lookups: dict[int, Counter[str]], walk: bool
-) -> Iterator[dict[str, Any]]:
+) -> Iterator[NamespaceReport]:
     """One report per namespace (see `groups`). ``walk`` adds what needs every file (reads,
     pinned bytes, oldest and newest read of the chunks read at least once); without it the
     report is O(directories at the root)."""
@@ -151,7 +152,7 @@ def namespaces(
         asked = counts["hit"] + counts["miss"]
         ranks = sorted(b[1] for t in tops if (b := vllm_layout.config_dir_of(t.name)))
         chunks = sum(p["chunks"] for p in parts)
-        report: dict[str, Any] = {
+        report: NamespaceReport = {
             "namespace": name.decode(errors="replace"),
             "directories": [p["namespace"] for p in parts],
             "ranks": ranks,

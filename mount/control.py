@@ -20,7 +20,6 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from datetime import UTC, datetime
 from functools import partial
-from typing import Any
 
 import pyfuse3
 
@@ -52,7 +51,7 @@ def attrs(ino: int, timeout: float) -> pyfuse3.EntryAttributes:
     return attr
 
 
-def render(ino: int, report: Callable[[bool], dict[str, Any]]) -> bytes:
+def render(ino: int, report: Callable[[bool], proto.Report]) -> bytes:
     """The content of a control file; ``report(walk)`` builds the daemon's report."""
     walk = ino == FILES[proto.NAMESPACES.encode()]
     return json.dumps(report(walk), indent=2).encode() + b"\n"
@@ -64,7 +63,7 @@ def report(
     session: dict[str, object],
     lookups: dict[int, Counter[str]],
     walk: bool,
-) -> dict[str, Any]:
+) -> proto.Report:
     """The daemon's state for `kvfs ls`/`du`/`top` (``walk`` adds what needs every file)."""
     index, evictor = objects.index, objects.evictor
     return {
@@ -98,7 +97,7 @@ def report(
 
 
 def xattrs(
-    node: Node, objects: Objects, report: Callable[[bool], dict[str, Any]]
+    node: Node, objects: Objects, report: Callable[[bool], proto.Report]
 ) -> dict[bytes, bytes]:
     """A node's ``user.kvfs.*`` attributes, answered from memory (the kernel never caches
     xattrs): its pin; a namespace's model and totals; a file's checksum and reads; the root's

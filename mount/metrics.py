@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvfs import __version__
+from kvfs.control_protocol import Report
 from kvfs.mount.eviction import EvictionReason
 from kvfs.mount.objects import PublishFailure
 
@@ -54,8 +55,6 @@ TIMED_OPERATIONS = (
     "getxattr",
     "setxattr",
 )
-
-Report = dict[str, Any]
 
 
 class Metrics:

@@ -16,7 +16,6 @@ import inspect
 import os
 import stat
 from functools import partial
-from typing import Any
 
 import pyfuse3
 from pyfuse3 import FUSEError
@@ -24,6 +23,7 @@ from pyfuse3 import FUSEError
 from kvfs import layout, process
 from kvfs.buffers import ALIGN
 from kvfs.config import MountConfig
+from kvfs.control_protocol import Report
 from kvfs.index import ROOT_INO, Index, Node
 from kvfs.mount import control, sessions
 from kvfs.mount.bridge import contained
@@ -73,7 +73,7 @@ class KvfsOperations(pyfuse3.Operations):
         for name in FUSE_HANDLERS:  # pyfuse3 calls the instance's attributes
             setattr(self, name, self.metrics.timed(name, contained(name, getattr(self, name))))
 
-    def report(self, walk: bool) -> dict[str, Any]:
+    def report(self, walk: bool) -> Report:
         session = sessions.report(self.session)
         lookups = self.lookups.by_namespace
         return control.report(self.objects, self.scrub.stats, session, lookups, walk)
