@@ -4,6 +4,7 @@ The backing directory is exactly the visible tree (a valid vLLM ``root_dir`` wit
 plus one private directory at its root that the mount never shows:
 
     <backing>/.kvfs/tmp/         files being published (renamed into the tree when complete)
+    <backing>/.kvfs/spare/       empty temp files opened ahead for passthrough writes
     <backing>/.kvfs/unlinked/    files unlinked or replaced while the kernel still knows them
                                  (an open() may still reach them); removed when it forgets
     <backing>/.kvfs/quarantine/  chunks whose bytes failed their checksum
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 PRIVATE_DIR = b".kvfs"
 TMP_DIR = PRIVATE_DIR + b"/tmp"
+SPARE_DIR = PRIVATE_DIR + b"/spare"
 UNLINKED_DIR = PRIVATE_DIR + b"/unlinked"
 QUARANTINE_DIR = PRIVATE_DIR + b"/quarantine"
 LOCK_FILE = PRIVATE_DIR + b"/lock"

@@ -75,10 +75,16 @@ class BackingStore:
     def prepare(self) -> int:
         """Create the private area, take the lock, and remove orphan temp files.
 
-        Returns how many orphans were removed from ``.kvfs/tmp`` and ``.kvfs/unlinked`` (the
-        latter only mattered to the previous daemon's kernel references).
+        Returns how many orphans were removed from ``.kvfs/tmp``, ``.kvfs/spare`` and
+        ``.kvfs/unlinked`` (the latter only mattered to the previous daemon's kernel
+        references).
         """
-        for private in (layout.TMP_DIR, layout.UNLINKED_DIR, layout.QUARANTINE_DIR):
+        for private in (
+            layout.TMP_DIR,
+            layout.SPARE_DIR,
+            layout.UNLINKED_DIR,
+            layout.QUARANTINE_DIR,
+        ):
             os.makedirs(self.abs(private), exist_ok=True)
         fd = os.open(self.abs(layout.LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -94,7 +100,7 @@ class BackingStore:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
         removed = 0
-        for private in (layout.TMP_DIR, layout.UNLINKED_DIR):
+        for private in (layout.TMP_DIR, layout.SPARE_DIR, layout.UNLINKED_DIR):
             with os.scandir(self.abs(private)) as entries:
                 for entry in entries:
                     os.unlink(entry.path)
@@ -185,9 +191,12 @@ class BackingStore:
 
     # -- data -------------------------------------------------------------------------------
 
-    def _new_tmp(self, extra_flags: int, mode: int) -> tuple[bytes, int]:
-        name = b"%d-%s.tmp" % (os.getpid(), os.urandom(8).hex().encode())
-        rel = os.path.join(layout.TMP_DIR, name)
+    def _new_tmp(
+        self, extra_flags: int, mode: int, where: bytes = layout.TMP_DIR
+    ) -> tuple[bytes, int]:
+        suffix = b"spare" if where == layout.SPARE_DIR else b"tmp"
+        name = b"%d-%s.%s" % (os.getpid(), os.urandom(8).hex().encode(), suffix)
+        rel = os.path.join(where, name)
         flags = os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | extra_flags
         return rel, os.open(self.abs(rel), flags, mode & 0o7777)
 
@@ -222,10 +231,11 @@ class BackingStore:
         os.close(fd)
         return Published(rel, data.size, blocks, digest)
 
-    def open_tmp(self, mode: int) -> tuple[bytes, int]:
-        """A new empty file in ``.kvfs/tmp`` for the kernel to write itself (passthrough), open
-        for reading and writing; ``seal_tmp`` readies it for the rename that publishes it."""
-        return self._new_tmp(os.O_RDWR, mode)
+    def open_tmp(self, mode: int, spare: bool = False) -> tuple[bytes, int]:
+        """A new empty file in ``.kvfs/tmp`` (``spare``: ``.kvfs/spare``, opened ahead) for the
+        kernel to write itself (passthrough), open for reading and writing; ``seal_tmp``
+        readies it for the rename that publishes it."""
+        return self._new_tmp(os.O_RDWR, mode, layout.SPARE_DIR if spare else layout.TMP_DIR)
 
     def seal_tmp(
         self,
@@ -317,12 +327,13 @@ class BackingStore:
         finally:
             os.close(fd)
 
-    def save_recency(self, rel: bytes, last_read_ns: int, hits: int) -> None:
-        """Persist a read. The file may have gone (or moved) since: then there is nothing to
-        keep."""
+    def save_recency(self, reads: list[tuple[bytes, int, int]]) -> None:
+        """Persist reads: (path, last read in ns, hits) each. A file may have gone (or moved)
+        since: then there is nothing to keep."""
         if self.xattrs:
-            with contextlib.suppress(FileNotFoundError):
-                os.setxattr(self.abs(rel), RECENCY_XATTR, b"%d %d" % (last_read_ns, hits))
+            for rel, last_read_ns, hits in reads:
+                with contextlib.suppress(FileNotFoundError):
+                    os.setxattr(self.abs(rel), RECENCY_XATTR, b"%d %d" % (last_read_ns, hits))
 
     def save_pinned(self, rel: bytes, pinned: bool) -> None:
         path = self.abs(rel)

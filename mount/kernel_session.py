@@ -606,11 +606,15 @@ class KernelSession:
             os.close(fd)
             raise RuntimeError(f"cannot mount {path}: {err.strerror}") from None
         self._fd, self._ops, self.mountpoint, self.options = fd, ops, path, opts
-        # Operations that answer LOOKUP and GETATTR from memory, never waiting (``lookup_now``,
-        # ``getattr_now``, ``forget_now``), are called in the receive loop: no task per
-        # request, about a third less latency for a stat or a miss.
-        if all(hasattr(ops, f"{op}_now") for op in ("lookup", "getattr", "forget")):
-            self._inline = {Opcode.LOOKUP: self._lookup_now, Opcode.GETATTR: self._getattr_now}
+        # Operations that answer LOOKUP, GETATTR and GETXATTR from memory, never waiting
+        # (``lookup_now``, ``getattr_now``, ``getxattr_now``, ``forget_now``), are called in
+        # the receive loop: no task per request, a third to a half less latency.
+        if all(hasattr(ops, f"{op}_now") for op in ("lookup", "getattr", "getxattr", "forget")):
+            self._inline = {
+                Opcode.LOOKUP: self._lookup_now,
+                Opcode.GETATTR: self._getattr_now,
+                Opcode.GETXATTR: self._getxattr_now,
+            }
         self._stopping = False
         devices = _mount_devices(path)
         self._dev = devices[-1] if devices else None
@@ -1377,6 +1381,11 @@ class KernelSession:
         name = _name(req.body, abi.GETXATTR_IN.size)
         value = await self._ops.getxattr(req.nodeid, name, self._ctx(req))
         self._reply_sized(req, size, bytes(value))
+
+    def _getxattr_now(self, req: _Request) -> None:
+        size, _ = abi.GETXATTR_IN.unpack_from(req.body)
+        name = _name(req.body, abi.GETXATTR_IN.size)
+        self._reply_sized(req, size, bytes(self._ops.getxattr_now(req.nodeid, name)))
 
     async def _listxattr(self, req: _Request) -> None:
         size, _ = abi.GETXATTR_IN.unpack_from(req.body)

@@ -53,6 +53,10 @@ T = TypeVar("T")
 
 # A publish that meets a full backing disk evicts and tries again, this many times at most.
 DISK_FULL_RETRIES = 8
+RECENCY_PERSIST_SECONDS = 1.0
+# Temp files opened ahead for passthrough creates: a create then waits on no I/O. Crash-safe:
+# the next mount empties .kvfs/spare.
+SPARE_TMPS = 4
 
 Attrs = tuple[int, int, int, tuple[int, int]]  # mode, uid, gid, (atime, mtime)
 
@@ -105,6 +109,11 @@ class ObjectCounters:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values["publish_failures"] = {r.value: self.publish_failures[r] for r in PublishFailure}
         return values
+
+
+def _log_failure(_: object, error: BaseException | None) -> None:
+    if error is not None:
+        log.warning("background I/O failed: %s", error)
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
@@ -210,6 +219,8 @@ class Objects:
         self.counters = ObjectCounters()
         self.deadline_expiries = 0
         self.checksum_failures = 0
+        self._recency_dirty: dict[int, Node] = {}  # read since their recency was persisted
+        self._spare_tmps: list[TmpFile] = []
         index.on_release = self._released
         # Created in start(), once trio is running.
         self._ns: trio.Lock
@@ -217,14 +228,71 @@ class Objects:
         self._detached: Detached
 
     def start(self, nursery: trio.Nursery) -> None:
-        """Begin serving in ``nursery`` (the eviction sweep and detached operations run there)."""
+        """Begin serving in ``nursery`` (the eviction sweep, the recency writer and detached
+        operations run there)."""
         self._ns = trio.Lock()  # held across a namespace change: index and backing together
         self.io = IO(self.pool)
         self._detached = Detached(nursery)
         nursery.start_soon(self.evictor.sweep_forever)
+        nursery.start_soon(self.persist_recency_forever)
+        self._spare_wanted = trio.Event()
+        nursery.start_soon(self.keep_spare_tmps_forever)
 
     def shutdown(self) -> None:
+        """Persist the last reads' recency, drop the spare temp files, finish the queued I/O
+        and stop its threads."""
+        for spare in self._spare_tmps:
+            os.close(spare.fd)
+            self.pool.submit(Queue.WRITE, partial(self.store.discard, spare.rel), _log_failure)
+        self._spare_tmps.clear()
+        if self._recency_dirty:
+            reads = self._recency()
+            self.pool.submit(Queue.WRITE, partial(self.store.save_recency, reads), _log_failure)
         self.pool.shutdown()
+
+    async def persist_recency_forever(self) -> None:
+        """Reads change recency (last read, hits) in memory at once; the backing files' xattrs
+        follow once a second, in one job: one setxattr per open on the open's path cost a
+        third of a hot reopen. A kill -9 loses at most that second of recency (a hint for the
+        eviction order, never bytes)."""
+        while True:
+            await trio.sleep(RECENCY_PERSIST_SECONDS)
+            if self._recency_dirty:
+                self.io.submit(Queue.WRITE, self.store.save_recency, self._recency())
+
+    async def keep_spare_tmps_forever(self) -> None:
+        """Keep SPARE_TMPS temp files open for the next passthrough creates, from the first
+        one on (a session that serves writes needs none). A store that fails (a full or
+        stalled disk) leaves the creates to open their own."""
+        while True:
+            await self._spare_wanted.wait()
+            self._spare_wanted = trio.Event()
+            while len(self._spare_tmps) < SPARE_TMPS:
+                try:
+                    opened = partial(self.io.write, self.store.open_tmp, 0o600, True)
+                    spare = TmpFile(*await self.bounded(opened, undo=self._drop_spare))
+                except OSError as err:
+                    log.debug("no spare temp file: %s", err)
+                    break
+                self._spare_tmps.append(spare)
+
+    def _drop_spare(self, opened: tuple[bytes, int]) -> None:
+        os.close(opened[1])
+        self.io.submit(Queue.WRITE, self.store.discard, opened[0])
+
+    async def _new_tmp(self, mode: int) -> TmpFile:
+        self._spare_wanted.set()
+        if self._spare_tmps:  # its mode is set at the publish, with the rest
+            return self._spare_tmps.pop()
+        return TmpFile(*await self.io.read(self.store.open_tmp, mode))
+
+    def _recency(self) -> list[tuple[bytes, int, int]]:
+        dirty, self._recency_dirty = self._recency_dirty, {}
+        return [
+            (self._backing_rel(node), node.last_read_ns, node.hits)
+            for node in dirty.values()
+            if node.on_backing
+        ]
 
     @property
     def unpublished(self) -> int:
@@ -505,7 +573,7 @@ class Objects:
                     raise fail(errno.ENOENT)
                 ws = WriteState(ChunkBuffer(self.extents), writers=1)
                 if passthrough:
-                    ws.file = TmpFile(*await self.io.read(self.store.open_tmp, mode))
+                    ws.file = await self._new_tmp(mode)
                 node = self.index.new_node(name, stat.S_IFREG | mode, *owner)
                 node.atime_ns = node.mtime_ns = node.ctime_ns = time.time_ns()
                 self.index.attach(parent, name, node)
@@ -973,8 +1041,7 @@ class Objects:
         self._check_published(node)
         self.index.read(node, time.time_ns())
         self.counters.reads += 1
-        rel = self._backing_rel(node)
-        self.io.submit(Queue.WRITE, self.store.save_recency, rel, node.last_read_ns, node.hits)
+        self._recency_dirty[node.ino] = node  # persisted by persist_recency_forever
 
     async def _open_backing(self, node: Node, direct: bool = True) -> Reader:
         """The exact version the index describes, and the checksum of that version."""

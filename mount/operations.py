@@ -485,8 +485,13 @@ class KvfsOperations(pyfuse3.Operations):
         return out
 
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        value = self._xattrs(inode).get(name)
-        if value is None:  # security.* lands here at once: the kernel asks on every first write
+        return self.getxattr_now(inode, name)
+
+    def getxattr_now(self, inode: int, name: bytes) -> bytes:
+        """GETXATTR from memory (see `lookup_now`). The kernel asks for security.capability at
+        every file's first write: answered before anything is built."""
+        value = self._xattrs(inode).get(name) if name.startswith(b"user.") else None
+        if value is None:
             raise FUSEError(pyfuse3.ENOATTR)
         return value
 

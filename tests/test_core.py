@@ -124,10 +124,12 @@ def test_store_scan_rebuilds_the_index_and_drops_orphans(tmp_path: Path) -> None
     store.rename(pub.tmp, b"ns/abc/x.bin")
     (tmp_path / "ns" / "abc" / ("ab" * 32 + ".bin_77.tmp")).write_bytes(b"partial")
     (tmp_path / ".kvfs" / "tmp" / "left-by-a-crash").write_bytes(b"partial")
+    (tmp_path / ".kvfs" / "spare" / "1-ab.spare").write_bytes(b"")  # opened ahead, never used
     store.close()
 
     again = BackingStore(os.fsencode(tmp_path))
-    assert again.prepare() == 1
+    assert again.prepare() == 2
+    assert not os.listdir(tmp_path / ".kvfs" / "spare")
     index = Index()
     assert again.scan(index) == 1
     assert (index.files, index.bytes) == (1, 5000)
