@@ -38,6 +38,9 @@ class MountListener:
         self._chunk_event(node, stored=False)
         self._bytes_changed(node)
 
+    def moved_away(self, node: Node) -> None:
+        self._chunk_event(node, stored=False)  # the kernel's backing file is still these bytes
+
     def name_gone(self, parent: Node, name: bytes, node: Node) -> None:
         self.invalidator.entry(parent.ino, name, node.ino)
 

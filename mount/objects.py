@@ -130,7 +130,10 @@ class Listener(Protocol):
         """A file was published under its name (or moved to a new one)."""
 
     def removed(self, node: Node) -> None:
-        """A published file left its name (unlinked, renamed away, evicted, quarantined)."""
+        """A published file left its name and its bytes go (unlinked, evicted, quarantined)."""
+
+    def moved_away(self, node: Node) -> None:
+        """A published file is about to take another name (``stored`` follows): same bytes."""
 
     def name_gone(self, parent: Node, name: bytes, node: Node) -> None:
         """The daemon took a name away behind the kernel's back: drop it from its cache."""
@@ -441,7 +444,7 @@ class Objects:
                     await self._retire(target, new_rel, replaced=node.on_backing)
                 if node.on_backing:
                     await self.io.read(self.store.rename, old_rel, new_rel)
-                    self.listener.removed(node)
+                    self.listener.moved_away(node)
                 if target is not None:
                     self.index.unlink(new_parent, new_name)
                 self.index.move(old_parent, old_name, new_parent, new_name)

@@ -207,3 +207,21 @@ def test_a_hot_chunk_reopens_without_io_and_its_space_goes_with_it(tmp_path: Pat
                 time.sleep(0.05)
         finally:
             mount.stop()
+
+
+def test_the_first_read_of_a_stored_chunk_reuses_its_writers_backing_file(
+    passthrough_mount: Mount,
+) -> None:
+    """vLLM stores under a temp name and renames: the rename keeps the bytes, so the backing
+    file the kernel wrote stays registered and the first load opens nothing (a rename used to
+    drop it like an unlink)."""
+    root = str(passthrough_mount.path)
+    final = vllm_io.chunk_path(root, 7)
+    tmp = f"{final}_123.tmp"
+    os.makedirs(os.path.dirname(final))
+    Path(tmp).write_bytes(vllm_io.chunk_bytes(7, 1 << 20))
+    passthrough_mount.settle()  # published under the temp name: the rename moves a chunk
+    os.rename(tmp, final)
+    assert vllm_io.load(final, 1 << 20) == vllm_io.chunk_bytes(7, 1 << 20)
+    usage = json.loads((passthrough_mount.path / ".kvfs" / "usage.json").read_bytes())
+    assert usage["session"]["backing_reused"] == 1
