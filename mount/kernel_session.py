@@ -1018,6 +1018,8 @@ class KernelSession:
             handler(req)
         except pyfuse3.FUSEError as err:
             self._fail(req, err.errno)
+        except OSError as err:
+            self._fail(req, err.errno or errno.EIO)
         except Exception:
             log.exception("%s failed: EIO for this request", _opname(req.opcode))
             self._fail(req, errno.EIO)

@@ -135,6 +135,20 @@ class Metrics:
             log.warning("/metrics: the event loop did not answer in %.0fs", LOOP_ANSWER_SECONDS)
         return self._last
 
+    def timed_now(self, name: str, handler: Callable[..., T]) -> Callable[..., T]:
+        """``timed`` for the handlers a session calls inline (``lookup_now``...)."""
+        observe = self.latency.labels(name).observe
+
+        @wraps(handler)
+        def wrapper(*args: Any, **kwargs: Any) -> T:
+            start = time.perf_counter()
+            try:
+                return handler(*args, **kwargs)
+            finally:
+                observe(time.perf_counter() - start)
+
+        return wrapper
+
     def timed(self, name: str, handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         """The handler, its latency observed if it is one of TIMED_OPERATIONS."""
         if name not in TIMED_OPERATIONS:

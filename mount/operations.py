@@ -72,6 +72,10 @@ class KvfsOperations(pyfuse3.Operations):
         self.lookups = LookupCounts()
         for name in FUSE_HANDLERS:  # pyfuse3 calls the instance's attributes
             setattr(self, name, self.metrics.timed(name, contained(name, getattr(self, name))))
+        # What the kernel session calls inline, in its receive loop: answered from memory.
+        self.lookup_now = self.metrics.timed_now("lookup", self._lookup)
+        self.getattr_now = self.metrics.timed_now("getattr", self._getattr)
+        self.getxattr_now = self.metrics.timed_now("getxattr", self._getxattr)
 
     def report(self, walk: bool) -> Report:
         session = sessions.report(self.session)
@@ -156,10 +160,11 @@ class KvfsOperations(pyfuse3.Operations):
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
-        return self.lookup_now(parent_inode, name)
+        return self._lookup(parent_inode, name)
 
-    def lookup_now(self, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes:
-        """LOOKUP from memory, without waiting on anything: a session may answer it inline."""
+    def _lookup(self, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes:
+        """LOOKUP from memory, without waiting on anything: a session may answer it inline
+        (``lookup_now``, timed, set in __init__)."""
         if parent_inode == control.DIR_INO or (parent_inode == ROOT_INO and name == control.NAME):
             ino = control.DIR_INO if parent_inode == ROOT_INO else control.FILES.get(name)
             if ino is None:
@@ -192,10 +197,10 @@ class KvfsOperations(pyfuse3.Operations):
             self.index.forget(ino, count)
 
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self.getattr_now(inode)
+        return self._getattr(inode)
 
-    def getattr_now(self, inode: int) -> pyfuse3.EntryAttributes:
-        """GETATTR from memory, without waiting on anything (see `lookup_now`)."""
+    def _getattr(self, inode: int) -> pyfuse3.EntryAttributes:
+        """GETATTR from memory, without waiting on anything (see `_lookup`)."""
         if control.is_control(inode):
             return control.attrs(inode, self.cfg.cache_timeout)
         return self._attrs(self._node(inode))
@@ -485,10 +490,10 @@ class KvfsOperations(pyfuse3.Operations):
         return out
 
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        return self.getxattr_now(inode, name)
+        return self._getxattr(inode, name)
 
-    def getxattr_now(self, inode: int, name: bytes) -> bytes:
-        """GETXATTR from memory (see `lookup_now`). The kernel asks for security.capability at
+    def _getxattr(self, inode: int, name: bytes) -> bytes:
+        """GETXATTR from memory (see `_lookup`). The kernel asks for security.capability at
         every file's first write: answered before anything is built."""
         value = self._xattrs(inode).get(name) if name.startswith(b"user.") else None
         if value is None:

@@ -101,6 +101,8 @@ def test_metrics_deltas_match_a_known_workload(observed_mount: tuple[Mount, int,
         assert delta('kvfs_operation_duration_seconds_count{operation="write"}') >= 5
     assert delta('kvfs_operation_duration_seconds_count{operation="create"}') == 5
     assert delta('kvfs_operation_duration_seconds_count{operation="flush"}') >= 5
+    # Answered inline by the kernel session (no task of their own): still timed.
+    assert delta('kvfs_operation_duration_seconds_count{operation="lookup"}') >= 6
     assert after["kvfs_capacity_bytes"] > 0 and "kvfs_checksum_failures_total" in after
 
 
