@@ -1,6 +1,6 @@
 """``mount.fuse.kvfs``: what mount(8) runs for ``mount -t fuse.kvfs BACKING MOUNTPOINT -o ...``.
 
-mount(8) looks for ``/sbin/mount.<type>`` (``make install-helper`` links it there) and runs it
+mount(8) looks for ``/sbin/mount.<type>`` (``make install`` links it there) and runs it
 as ``mount.fuse.kvfs SOURCE TARGET [-sfnv] [-o OPTIONS]``; an fstab line of type ``fuse.kvfs``
 goes the same way, at boot too. The source is the backing directory and the options are
 ``kvfs mount``'s, as NAME=VALUE (kvfs.mount_options); what mount(8) and fstab pass for
