@@ -173,3 +173,21 @@ def test_every_help_states_its_defaults_and_every_argument_is_explained() -> Non
             valued = action.nargs != 0 and action.default not in (None, False)
             if valued and action.option_strings:
                 assert "default" in action.help, (name, action.dest, action.help)
+
+
+@pytest.mark.parametrize(
+    "command", ["mount", "umount", "verify", "ls", "du", "stat", "top", "evict"]
+)
+def test_the_cli_pages_show_the_current_help(command: str) -> None:
+    """docs/cli is generated (`python -m tools.cli_docs`): a help that changed without it fails
+    here, so the pages never drift from what the commands say."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # the generator's width
+    shown = subprocess.run(
+        [sys.executable, "-m", "kvfs.cli", command, "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout.rstrip()
+    page = (Path(__file__).parent.parent / "docs" / "cli" / f"{command}.md").read_text()
+    assert f"```text\n{shown}\n```" in page, "regenerate docs/cli: python -m tools.cli_docs"
