@@ -56,6 +56,11 @@ class LookupHandle:
     request: bytearray = field(default_factory=bytearray)
     answer: bytes = b""
     busy: bool = False  # being answered: a second request on it meanwhile gets EBUSY
+    # A write the request failed (EINVAL, EFBIG, EAGAIN): what every later write and read of
+    # it gets, until a new request starts at offset 0. The kernel turns a failure past the
+    # first piece of a large write into a short count, so the client's next write or its read
+    # must still see why.
+    failed: int | None = None
 
 
 class BatchLookups:
@@ -88,16 +93,20 @@ class BatchLookups:
             raise _fail(errno.EBUSY)
         if offset == 0:
             self._drop(handle)
-            handle.answer = b""
-        elif offset != len(handle.request):
+            handle.answer, handle.failed = b"", None
+        elif handle.failed is not None:
+            raise _fail(handle.failed)
+        failure = None
+        if offset != len(handle.request):
+            failure = errno.EINVAL
+        elif len(handle.request) + len(data) > proto.LOOKUP_MAX_REQUEST:
+            failure = errno.EFBIG
+        elif self.pending + len(data) > PENDING_MAX:
+            failure = errno.EAGAIN
+        if failure is not None:
             self._drop(handle)
-            raise _fail(errno.EINVAL)
-        if len(handle.request) + len(data) > proto.LOOKUP_MAX_REQUEST:
-            self._drop(handle)
-            raise _fail(errno.EFBIG)
-        if self.pending + len(data) > PENDING_MAX:
-            self._drop(handle)
-            raise _fail(errno.EAGAIN)
+            handle.failed = failure
+            raise _fail(failure)
         handle.request += data
         self.pending += len(data)
         return len(data)
@@ -107,6 +116,8 @@ class BatchLookups:
         handle = self.handles[fh]
         if handle.busy:
             raise _fail(errno.EBUSY)
+        if handle.failed is not None:
+            raise _fail(handle.failed)
         if handle.request:
             request = bytes(handle.request)
             self._drop(handle)
