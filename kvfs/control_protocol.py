@@ -141,24 +141,30 @@ def lookup_requests(base: str, names: Iterable[str]) -> Iterable[bytes]:
         yield head + b"\n".join(batch)
 
 
+def ask(fd: int, base: str, names: list[str]) -> list[bool]:
+    """Whether each of ``names`` is a file on the mount, asked on ``fd``, an O_RDWR handle of
+    ``.kvfs/lookup`` (kept open across requests: no open per request)."""
+    found: list[bool] = []
+    for request in lookup_requests(base, names):
+        written = 0
+        while written < len(request):  # a short count past the first piece: write on
+            written += os.pwrite(fd, memoryview(request)[written:], written)
+        asked = request.count(b"\n")
+        answer = bytearray()
+        while len(answer) < asked:
+            part = os.pread(fd, asked - len(answer), len(answer))
+            if not part:
+                raise OSError(f"batched lookup: {len(answer)} answers of {asked}")
+            answer += part
+        found.extend(byte == LOOKUP_HIT for byte in answer)
+    return found
+
+
 def batch_lookup(mount: Path, base: str, names: list[str]) -> list[bool]:
-    """Whether each of ``names`` (relative to ``base``, itself relative to the mount's root)
-    is a file on the mount, in one request on one handle (or a few past the size limit)."""
+    """`ask` on a handle of its own: ``names`` relative to ``base``, itself relative to the
+    mount's root."""
     fd = os.open(mount / CONTROL_DIR / LOOKUP, os.O_RDWR)
     try:
-        found: list[bool] = []
-        for request in lookup_requests(base, names):
-            written = 0
-            while written < len(request):
-                written += os.pwrite(fd, memoryview(request)[written:], written)
-            asked = request.count(b"\n")
-            answer = b""
-            while len(answer) < asked:
-                part = os.pread(fd, asked - len(answer), len(answer))
-                if not part:
-                    raise OSError(f"batched lookup: {len(answer)} answers of {asked}")
-                answer += part
-            found.extend(byte == LOOKUP_HIT for byte in answer)
-        return found
+        return ask(fd, base, names)
     finally:
         os.close(fd)
