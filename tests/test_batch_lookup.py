@@ -132,6 +132,8 @@ def test_misses_count_as_lookups_do(kv_mount: Mount, data_dir: Path) -> None:
         b"\nx\0y",
         b"\n" + b"x" * 256,  # longer than NAME_MAX
         b"\n" + b"d/" * 2100 + b"x",  # longer than PATH_MAX
+        b"no-such-base\nx/../y",  # checked even where nothing would be found
+        b"\n.\n",
     ],
 )
 def test_malformed_requests_get_einval_and_count_nothing(
@@ -148,6 +150,13 @@ def test_malformed_requests_get_einval_and_count_nothing(
         ask(kv_mount, request_)
     assert failed.value.errno == errno.EINVAL
     assert lookups(kv_mount) == before
+
+
+def test_a_deep_name_is_a_miss(kv_mount: Mount, data_dir: Path) -> None:
+    deep = "d/" * 1500 + "x"  # 1501 components, within PATH_MAX
+    (data_dir / "d" / "d").mkdir(parents=True)
+    base = str(data_dir.relative_to(kv_mount.path))
+    assert proto.batch_lookup(kv_mount.path, base, [deep, ".hidden", "a.b/..c"]) == [False] * 3
 
 
 def test_writes_out_of_order_or_too_large_are_refused(kv_mount: Mount) -> None:
