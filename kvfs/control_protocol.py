@@ -4,6 +4,7 @@ extended attributes.
 
     MOUNT/.kvfs/usage.json       capacity, usage, counters, per-namespace totals (cheap)
     MOUNT/.kvfs/namespaces.json  the same plus what needs every file (reads, pinned, last read)
+    MOUNT/.kvfs/lookup           a batched lookup: write a request, read one byte per name
 
 Read on any node: ``pin`` (set on it), ``pinned`` (in effect: it or a directory above).
 On a file: ``checksum``, ``hits``, ``last_read`` (only once read).
@@ -15,12 +16,15 @@ Written: ``pin`` (0/1, anywhere), ``evict`` (JSON, on the root), ``verify`` (on 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
 CONTROL_DIR = ".kvfs"
 USAGE = "usage.json"
 NAMESPACES = "namespaces.json"
+LOOKUP = "lookup"
 
 PREFIX = "user.kvfs."
 PIN = PREFIX + "pin"
@@ -96,3 +100,71 @@ class Report(TypedDict):
     queues: dict[str, QueueReport]  # read, write
     write_buffer: dict[str, int]  # used, capacity
     namespaces: list[NamespaceReport]
+
+
+# -- the batched lookup ---------------------------------------------------------------------
+#
+# One request answers many names from the daemon's index, instead of one FUSE LOOKUP per path
+# component of each. On one handle of MOUNT/.kvfs/lookup (opened O_RDWR), a client writes
+#
+#     BASE "\n" NAME ("\n" NAME)* ["\n"]
+#
+# at offset 0 (a request larger than one WRITE continues at the offset where the last ended),
+# then reads at offset 0 one byte per NAME: HIT ("1", a regular file by that name) or MISS
+# ("0"). BASE is a directory relative to the mount's root ("" for the root itself), each NAME a
+# path relative to BASE. Components are never empty, ".", ".." or longer than NAME_MAX; no
+# symlink is followed; the caller needs search permission on every directory walked (else
+# EACCES). A malformed request fails its read with EINVAL and counts nothing; one over
+# LOOKUP_MAX_REQUEST bytes fails its write with EFBIG. A miss counts in the namespace's hit
+# rate as a LOOKUP's does (the final name asked in an existing directory); a hit counts when
+# the chunk is opened, as always.
+LOOKUP_MAX_REQUEST = 16 << 20
+LOOKUP_HIT = ord("1")
+LOOKUP_MISS = ord("0")
+
+
+def lookup_requests(base: str, names: Iterable[str]) -> Iterable[bytes]:
+    """The requests that ask for ``names`` under ``base``: one unless they exceed the limit."""
+    head = os.fsencode(base) + b"\n"
+    batch: list[bytes] = []
+    size = len(head)
+    for name in names:
+        line = os.fsencode(name)
+        if b"\n" in line:
+            raise ValueError(f"a name with a newline cannot be asked: {name!r}")
+        if batch and size + len(line) + 1 > LOOKUP_MAX_REQUEST:
+            yield head + b"\n".join(batch)
+            batch, size = [], len(head)
+        batch.append(line)
+        size += len(line) + 1
+    if batch:
+        yield head + b"\n".join(batch)
+
+
+def ask(fd: int, base: str, names: list[str]) -> list[bool]:
+    """Whether each of ``names`` is a file on the mount, asked on ``fd``, an O_RDWR handle of
+    ``.kvfs/lookup`` (kept open across requests: no open per request)."""
+    found: list[bool] = []
+    for request in lookup_requests(base, names):
+        written = 0
+        while written < len(request):  # a short count past the first piece: write on
+            written += os.pwrite(fd, memoryview(request)[written:], written)
+        asked = request.count(b"\n")
+        answer = bytearray()
+        while len(answer) < asked:
+            part = os.pread(fd, asked - len(answer), len(answer))
+            if not part:
+                raise OSError(f"batched lookup: {len(answer)} answers of {asked}")
+            answer += part
+        found.extend(byte == LOOKUP_HIT for byte in answer)
+    return found
+
+
+def batch_lookup(mount: Path, base: str, names: list[str]) -> list[bool]:
+    """`ask` on a handle of its own: ``names`` relative to ``base``, itself relative to the
+    mount's root."""
+    fd = os.open(mount / CONTROL_DIR / LOOKUP, os.O_RDWR)
+    try:
+        return ask(fd, base, names)
+    finally:
+        os.close(fd)

@@ -24,6 +24,19 @@ def thread_group(tid: int) -> int:
     return tid
 
 
+def groups(tid: int) -> frozenset[int]:
+    """The supplementary groups of a thread (what the kernel checks permissions with); none
+    if /proc does not tell (it is gone)."""
+    try:
+        with open(f"/proc/{tid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Groups:"):
+                    return frozenset(int(g) for g in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return frozenset()
+
+
 def killed_by_signal(pid: int) -> bool:
     """Whether process ``pid`` is exiting, or has exited, because a signal killed it.
 

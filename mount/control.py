@@ -31,7 +31,12 @@ from kvfs.mount.objects import Objects
 from kvfs.mount.scrub import ScrubStats
 
 DIR_INO = 1 << 62  # far above any inode the index hands out
-FILES = {proto.USAGE.encode(): DIR_INO + 1, proto.NAMESPACES.encode(): DIR_INO + 2}
+FILES = {
+    proto.USAGE.encode(): DIR_INO + 1,
+    proto.NAMESPACES.encode(): DIR_INO + 2,
+    proto.LOOKUP.encode(): DIR_INO + 3,
+}
+LOOKUP_INO = FILES[proto.LOOKUP.encode()]
 NAME = proto.CONTROL_DIR.encode()
 
 
@@ -44,6 +49,8 @@ def attrs(ino: int, timeout: float) -> pyfuse3.EntryAttributes:
     attr.st_ino = ino
     attr.entry_timeout = attr.attr_timeout = timeout
     attr.st_mode = (stat.S_IFDIR | 0o555) if ino == DIR_INO else (stat.S_IFREG | 0o444)
+    if ino == LOOKUP_INO:  # anyone may ask; each walk checks the asker's search permission
+        attr.st_mode = stat.S_IFREG | 0o666
     attr.st_nlink = 2 if ino == DIR_INO else 1
     attr.st_size = 0  # generated on open, read with direct I/O: the size is not known before
     now = time.time_ns()

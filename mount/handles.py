@@ -35,6 +35,10 @@ class Handles:
         self._control: dict[int, bytes] = {}
         self._next = 1
 
+    def new_fh(self) -> int:
+        """A handle number for a table of another module's (the batched lookups')."""
+        return self._fh()
+
     def _fh(self) -> int:
         self._next += 1
         return self._next - 1

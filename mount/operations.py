@@ -26,6 +26,7 @@ from kvfs.config import MountConfig
 from kvfs.control_protocol import Report
 from kvfs.index import ROOT_INO, Index, Node
 from kvfs.mount import control, sessions
+from kvfs.mount.batch_lookup import BatchLookups, Caller
 from kvfs.mount.bridge import contained
 from kvfs.mount.events import MountEvents
 from kvfs.mount.handles import Handle, Handles
@@ -70,6 +71,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.metrics = Metrics()
         self.handles = Handles()
         self.lookups = LookupCounts()
+        self.batch_lookups = BatchLookups(index, self.lookups)
         for name in FUSE_HANDLERS:  # pyfuse3 calls the instance's attributes
             setattr(self, name, self.metrics.timed(name, contained(name, getattr(self, name))))
         # What the kernel session calls inline, in its receive loop: answered from memory.
@@ -336,6 +338,10 @@ class KvfsOperations(pyfuse3.Operations):
         return self._file_info(handle), self._entry(node)
 
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if inode == control.LOOKUP_INO:
+            fh = self.handles.new_fh()
+            self.batch_lookups.open(fh, Caller(ctx.uid, process.groups(ctx.pid) | {ctx.gid}))
+            return pyfuse3.FileInfo(fh=fh, direct_io=True)
         if control.is_control(inode):
             if flags & os.O_ACCMODE != os.O_RDONLY:
                 raise FUSEError(errno.EROFS)
@@ -383,6 +389,8 @@ class KvfsOperations(pyfuse3.Operations):
         return self._file_info(handle, keep_cache=not node.rewritten)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        if fh in self.batch_lookups.handles:
+            return await self.batch_lookups.read(fh, off, size)
         content = self.handles.control(fh)
         if content is not None:
             return content[off : off + size]
@@ -400,6 +408,8 @@ class KvfsOperations(pyfuse3.Operations):
         return content.read(off, size)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
+        if fh in self.batch_lookups.handles:
+            return self.batch_lookups.write(fh, off, buf)
         handle = self.handles.file(fh)
         if not handle.writable:
             raise FUSEError(errno.EBADF)
@@ -408,7 +418,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def flush(self, fh: int) -> None:
         """close(): where a written file's errors (ENOSPC, EIO) can still reach the writer."""
-        if self.handles.control(fh) is not None:
+        if self.handles.control(fh) is not None or fh in self.batch_lookups.handles:
             return
         handle = self.handles.file(fh)
         if handle.writable:
@@ -419,7 +429,7 @@ class KvfsOperations(pyfuse3.Operations):
         await self.objects.fsync(handle.node, handle.writable)
 
     async def release(self, fh: int) -> None:
-        if self.handles.close_control(fh):
+        if self.handles.close_control(fh) or self.batch_lookups.close(fh):
             return
         handle = self.handles.close_file(fh)
         node = handle.node

@@ -208,7 +208,7 @@ def test_the_backing_private_area_is_hidden_and_the_control_dir_is_read_only(
 ) -> None:
     assert ".kvfs" not in os.listdir(kv_mount.path)  # neither shown nor counted by du
     control = kv_mount.path / ".kvfs"
-    assert sorted(os.listdir(control)) == ["namespaces.json", "usage.json"]
+    assert sorted(os.listdir(control)) == ["lookup", "namespaces.json", "usage.json"]
     assert not (control / "tmp").exists()  # the backing directory's .kvfs stays private
     with pytest.raises(OSError) as err:
         (control / "new").write_bytes(b"x")

@@ -17,6 +17,7 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 
@@ -61,10 +62,29 @@ class HostRegion:
 class Tier:
     """One FileSystemTierManager plus the scheduler-side polling around it."""
 
-    def __init__(self, root: str, region: HostRegion, o_direct: bool | None = None) -> None:
-        self.fs = FileSystemTierManager(
-            minimal_spec(), region.view, "fs", root_dir=root, n_read_threads=4, n_write_threads=4
-        )
+    def __init__(
+        self,
+        root: str,
+        region: HostRegion,
+        o_direct: bool | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        """vLLM's fs tier, or the tier ``config`` names ({"type", "module_path", ...}), built
+        by vLLM's own factory as TieringOffloadingSpec builds its secondary tiers."""
+        if config is None:
+            self.fs = FileSystemTierManager(
+                minimal_spec(),
+                region.view,
+                "fs",
+                root_dir=root,
+                n_read_threads=4,
+                n_write_threads=4,
+            )
+        else:
+            config = {**config, "root_dir": root, "n_read_threads": 4, "n_write_threads": 4}
+            self.fs = SecondaryTierFactory.create_secondary_tier(
+                config, region.view, minimal_spec()
+            )
         if o_direct is not None and not o_direct:
             self.fs._use_o_direct = False  # what vLLM does after a failed probe
         self._job = 0

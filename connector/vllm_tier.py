@@ -1,0 +1,114 @@
+"""kvfs as a secondary tier of vLLM 0.33.0's TieringOffloadingSpec:
+
+    {"type": "KvfsTier", "module_path": "kvfs.connector.vllm_tier", "root_dir": MOUNT_OR_BELOW}
+
+vLLM imports ``module_path`` and takes the class named by ``type`` (no registration needed).
+The tier is vLLM's fs tier (same FileMapper, so the same paths and config.json: each reads the
+other's files) with one difference in the lookups: each scheduler step's keys, of every
+request, go to the mount in one batched request (``.kvfs/lookup``, kvfs/control_protocol.py),
+answered from the daemon's index, instead of one access() per key, each a FUSE LOOKUP per
+path component the kernel has not cached.
+
+The mount's outcomes reach vLLM as job results: a load whose chunk fails its checksum, or
+whose read passes the mount's deadline, gets EIO (never wrong bytes), so the job fails with
+the keys before it kept (``successful_keys``) and the rest marked as misses, which vLLM then
+recomputes; the quarantined chunk is gone from the index, so later lookups miss it. A store
+refused at close (ENOSPC, EIO) fails its job. Those paths are the fs tier's own, unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+from kvfs import control_protocol as proto
+
+log = logging.getLogger(__name__)
+
+
+def mount_of(path: str) -> Path:
+    """The kvfs mount that holds ``path`` (the nearest mount point above it with a
+    ``.kvfs/lookup``). ValueError if none does: the fs tier is the one for a plain directory."""
+    here = Path(os.path.realpath(path))
+    for candidate in (here, *here.parents):
+        if os.path.ismount(candidate) and (candidate / proto.CONTROL_DIR / proto.LOOKUP).is_file():
+            return candidate
+    raise ValueError(f"{path} is not on a kvfs mount (no {proto.CONTROL_DIR}/{proto.LOOKUP})")
+
+
+class BatchedLookups(AsyncLookupManager):
+    """vLLM's lookup manager (its verdict cache, RETRY until answered, mark_miss after a failed
+    load), whose background thread sends a whole step's keys as one request."""
+
+    def __init__(self, tier: KvfsTier, tier_type: str) -> None:
+        self._tier = tier
+        self._fd: int | None = None
+        self._fd_lock = threading.Lock()  # the background thread asks; close() may race it
+        super().__init__(tier_type=tier_type)
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext | None) -> list[bool]:
+        names = [self._tier.relative_name(key) for key in keys]
+        with self._fd_lock:
+            for attempt in (0, 1):
+                if self._fd is None:
+                    self._fd = os.open(self._tier.lookup_file, os.O_RDWR)
+                try:
+                    return proto.ask(self._fd, self._tier.data_dir, names)
+                except OSError:
+                    # A remounted daemon (--supervise) answers a new handle only: once more.
+                    os.close(self._fd)
+                    self._fd = None
+                    if attempt:
+                        raise
+        raise AssertionError("unreachable")
+
+    def _worker(self) -> None:
+        """One request per step for every key of every request (vLLM's own thread asks once
+        per request)."""
+        while True:
+            pending = self._lookup_queue.get()
+            if pending is None:
+                break
+            keys = [key for key, _, _ in pending]
+            try:
+                hits = self.batch_lookup(keys, None)
+            except OSError as err:  # the mount is gone or refused: misses, vLLM recomputes
+                log.warning("batched lookup of %d keys failed: %s", len(keys), err)
+                hits = [False] * len(keys)
+            results = [(key, gen, hit) for (key, _, gen), hit in zip(pending, hits, strict=True)]
+            self._pending_results.put(results)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        with self._fd_lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+class KvfsTier(FileSystemTierManager):
+    """vLLM's fs tier on a kvfs mount, with batched lookups (see the module's docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lookup_manager.shutdown()  # the fs tier's own: replaced before any lookup
+        mapper = self.file_mapper
+        prefix = f"{mapper.base_path}_r{mapper.rank}"
+        mount = mount_of(os.path.dirname(mapper.base_path))
+        self.lookup_file = mount / proto.CONTROL_DIR / proto.LOOKUP
+        # Relative to the mount, symlinks resolved (the mount's lookup follows none).
+        real = Path(os.path.realpath(os.path.dirname(prefix))) / os.path.basename(prefix)
+        self.data_dir = str(real.relative_to(mount))
+        self._prefix_len = len(prefix) + 1
+        self._lookup_manager = BatchedLookups(self, self.tier_type)  # type: ignore[assignment]
+
+    def relative_name(self, key: OffloadKey) -> str:
+        """A chunk's path under this rank's data directory (vLLM's own name for it)."""
+        return str(self.file_mapper.get_file_name(key))[self._prefix_len :]
