@@ -32,7 +32,7 @@ def imported_distributions(extra: str) -> set[str]:
         for path in REPO.glob(pattern):
             if extra != "vllm" and str(path.relative_to(REPO)) in VLLM_PLUGINS:
                 continue
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in _runtime_nodes(ast.parse(path.read_text())):
                 if isinstance(node, ast.Import):
                     names = [alias.name for alias in node.names]
                 elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -44,6 +44,19 @@ def imported_distributions(extra: str) -> set[str]:
                     if top not in sys.stdlib_module_names and top != "kvfs":
                         found.update(_normal(d) for d in owners.get(top, [top]))
     return found
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node but those under ``if TYPE_CHECKING:`` (imports for the type checker only)."""
+    skipped = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If)
+        and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+    return [node for node in ast.walk(tree) if id(node) not in skipped]
 
 
 def _normal(name: str) -> str:
