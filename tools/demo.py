@@ -79,6 +79,9 @@ kvfs is mounted at {mnt}. Point vLLM at it:
   --kv-transfer-config '{{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
     "kv_connector_extra_config": {{"spec_name": "TieringOffloadingSpec",
     "cpu_bytes_to_use": 10737418240, "secondary_tiers": [{{"type": "fs", "root_dir": "{mnt}"}}]}}}}'
+or, with vLLM's lookups batched into one request per scheduler step (pip install -e '.[vllm]'
+in vLLM's environment), the secondary tier {{"type": "KvfsTier", "module_path":
+"kvfs.connector.vllm_tier", "root_dir": "{mnt}"}} instead (README: "kvfs as vLLM's secondary tier").
 Only the user who mounted it can use it: for vLLM running as another user, mount with
 -o allow_other.
 If the daemon dies, the mount answers ENOTCONN (never the disk under it): run the same
