@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,41 +32,17 @@ from kvfs import control_protocol as proto
 log = logging.getLogger(__name__)
 
 
-def mount_of(path: str) -> Path:
-    """The kvfs mount that holds ``path`` (the nearest mount point above it with a
-    ``.kvfs/lookup``). ValueError if none does: the fs tier is the one for a plain directory."""
-    here = Path(os.path.realpath(path))
-    for candidate in (here, *here.parents):
-        if os.path.ismount(candidate) and (candidate / proto.CONTROL_DIR / proto.LOOKUP).is_file():
-            return candidate
-    raise ValueError(f"{path} is not on a kvfs mount (no {proto.CONTROL_DIR}/{proto.LOOKUP})")
-
-
 class BatchedLookups(AsyncLookupManager):
     """vLLM's lookup manager (its verdict cache, RETRY until answered, mark_miss after a failed
     load), whose background thread sends a whole step's keys as one request."""
 
     def __init__(self, tier: KvfsTier, tier_type: str) -> None:
         self._tier = tier
-        self._fd: int | None = None
-        self._fd_lock = threading.Lock()  # the background thread asks; close() may race it
         super().__init__(tier_type=tier_type)
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext | None) -> list[bool]:
         names = [self._tier.relative_name(key) for key in keys]
-        with self._fd_lock:
-            for attempt in (0, 1):
-                if self._fd is None:
-                    self._fd = os.open(self._tier.lookup_file, os.O_RDWR)
-                try:
-                    return proto.ask(self._fd, self._tier.data_dir, names)
-                except OSError:
-                    # A remounted daemon (--supervise) answers a new handle only: once more.
-                    os.close(self._fd)
-                    self._fd = None
-                    if attempt:
-                        raise
-        raise AssertionError("unreachable")
+        return self._tier.lookups.ask(self._tier.data_dir, names)
 
     def _worker(self) -> None:
         """One request per step for every key of every request (vLLM's own thread asks once
@@ -87,10 +62,7 @@ class BatchedLookups(AsyncLookupManager):
 
     def shutdown(self) -> None:
         super().shutdown()
-        with self._fd_lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+        self._tier.lookups.close()
 
 
 class KvfsTier(FileSystemTierManager):
@@ -101,8 +73,10 @@ class KvfsTier(FileSystemTierManager):
         self._lookup_manager.shutdown()  # the fs tier's own: replaced before any lookup
         mapper = self.file_mapper
         prefix = f"{mapper.base_path}_r{mapper.rank}"
-        mount = mount_of(os.path.dirname(mapper.base_path))
-        self.lookup_file = mount / proto.CONTROL_DIR / proto.LOOKUP
+        mount = proto.lookup_mount(os.path.dirname(mapper.base_path))
+        if mount is None:  # the fs tier is the one for a plain directory
+            raise ValueError(f"{mapper.base_path} is not on a kvfs mount")
+        self.lookups = proto.LookupClient(mount)
         # Relative to the mount, symlinks resolved (the mount's lookup follows none).
         real = Path(os.path.realpath(os.path.dirname(prefix))) / os.path.basename(prefix)
         self.data_dir = str(real.relative_to(mount))

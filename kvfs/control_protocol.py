@@ -17,6 +17,7 @@ Written: ``pin`` (0/1, anywhere), ``evict`` (JSON, on the root), ``verify`` (on 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
@@ -158,6 +159,47 @@ def ask(fd: int, base: str, names: list[str]) -> list[bool]:
             answer += part
         found.extend(byte == LOOKUP_HIT for byte in answer)
     return found
+
+
+def lookup_mount(path: str) -> Path | None:
+    """The kvfs mount that holds ``path`` (the nearest mount point above it that answers
+    batched lookups), or None: a plain directory."""
+    here = Path(os.path.realpath(path))
+    for candidate in (here, *here.parents):
+        if os.path.ismount(candidate) and (candidate / CONTROL_DIR / LOOKUP).is_file():
+            return candidate
+    return None
+
+
+class LookupClient:
+    """Batched lookups of one client thread after another, on one handle of ``.kvfs/lookup``
+    kept open (no open per request), reopened once if the daemon was remounted since."""
+
+    def __init__(self, mount: Path) -> None:
+        self.file = mount / CONTROL_DIR / LOOKUP
+        self._fd: int | None = None
+        self._lock = threading.Lock()  # one request at a time on the handle; close() races
+
+    def ask(self, base: str, names: list[str]) -> list[bool]:
+        with self._lock:
+            for attempt in (0, 1):
+                if self._fd is None:
+                    self._fd = os.open(self.file, os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    return ask(self._fd, base, names)
+                except OSError:
+                    # A remounted daemon (--supervise) answers a new handle only: once more.
+                    os.close(self._fd)
+                    self._fd = None
+                    if attempt:
+                        raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 def batch_lookup(mount: Path, base: str, names: list[str]) -> list[bool]:

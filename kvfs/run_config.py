@@ -95,5 +95,10 @@ class RunConfig:
 
     def chunk_path(self, root: str, key: bytes) -> str:
         """``<root>/<data_dir>/<hex[:3]>/<hex[3:5]>_g<group>/<hex>.bin`` for an OffloadKey."""
+        return f"{root}/{self.data_dir}/{self.chunk_name(key)}"
+
+    @staticmethod
+    def chunk_name(key: bytes) -> str:
+        """An OffloadKey's path under the data directory."""
         block_hash, group = split_offload_key(key)
-        return f"{root}/{self.data_dir}/{vllm_layout.chunk_relpath(block_hash.hex(), group)}"
+        return vllm_layout.chunk_relpath(block_hash.hex(), group)

@@ -163,3 +163,31 @@ def test_a_load_keeps_every_chunk_that_arrived_whole(tmp_path: Path) -> None:
         assert run(tier, TransferJob(3, [], [], True, "r")).success  # an empty job is reported
     finally:
         tier.shutdown()
+
+
+def test_on_a_kvfs_mount_a_steps_lookups_are_one_batched_request(kv_mount: Mount) -> None:
+    """On a mount, the tier asks the daemon's index once for every key of a step
+    (`.kvfs/lookup`) instead of a stat per chunk, each a FUSE round trip; on a plain directory
+    it stats."""
+    region = vllm_tier.HostRegion(4, ROW)
+    tier = kvfs_tier(kv_mount.path / "batched", region)
+    try:
+        assert tier._mount_lookups is not None
+        asked: list[int] = []
+        ask = tier._mount_lookups.ask
+
+        def counted(base: str, names: list[str]) -> list[bool]:
+            asked.append(len(names))
+            return ask(base, names)
+
+        tier._mount_lookups.ask = counted  # type: ignore[method-assign]
+        fill(region, range(0, 2), seed=3)
+        stored = vllm_tier.new_keys(2)
+        assert run(tier, TransferJob(1, stored, [0, 1], False, "r")).success
+        kv_mount.settle()
+        missing = vllm_tier.new_keys(7)
+        assert lookups(tier, stored + missing) == [LookupResult.HIT] * 2 + [LookupResult.MISS] * 7
+        assert asked == [7]  # one request; the two stored keys the tier knows from the store
+    finally:
+        tier.drain()
+        tier.shutdown()

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvfs import chunk_io
+from kvfs import control_protocol as proto
 from kvfs.config import ConfigError
 from kvfs.connector.tiers.async_lookup import AsyncLookup
 from kvfs.connector.tiers.base import (
@@ -95,6 +96,15 @@ class FsTier(SecondaryTier):
         if not self.o_direct:
             log.info("fs tier %s: buffered I/O at %s", context.name, self.root)
         self._pool = DualQueuePool(n_read_threads, n_write_threads, name=f"kvfs-{context.name}")
+        # On a kvfs mount, a step's lookups are one request answered from the daemon's index
+        # (kvfs/control_protocol.py) instead of a stat per chunk, each a FUSE round trip.
+        mount = proto.lookup_mount(self.root)
+        self._mount_lookups = proto.LookupClient(mount) if mount is not None else None
+        self._data_dir = (
+            os.path.relpath(os.path.join(os.path.realpath(self.root), config.data_dir), mount)
+            if mount is not None
+            else ""
+        )
         self._lookups = AsyncLookup(self._present, context.name, miss_ttl_s)
         self._finished: deque[tuple[TransferJob, JobResult, list[bytes]]] = deque()
         self._in_flight = 0
@@ -123,14 +133,20 @@ class FsTier(SecondaryTier):
         return LookupResult.HIT if present else LookupResult.MISS
 
     def _present(self, keys: list[bytes]) -> list[bool]:
+        if (counter := self.context.metrics.get("files_checked")) is not None:
+            counter.inc(len(keys))
+        if self._mount_lookups is not None:
+            names = [self.context.run_config.chunk_name(key) for key in keys]
+            try:
+                return self._mount_lookups.ask(self._data_dir, names)
+            except OSError as err:  # the mount is gone or refused: ask the files themselves
+                log.warning("fs tier %s: batched lookup failed: %s", self.context.name, err)
         found = []
         for key in keys:
             try:
                 found.append(os.stat(self.path(key)).st_size == self.context.chunk_bytes)
             except OSError:
                 found.append(False)
-        if (counter := self.context.metrics.get("files_checked")) is not None:
-            counter.inc(len(keys))
         return found
 
     def on_schedule_end(self) -> None:
@@ -245,3 +261,5 @@ class FsTier(SecondaryTier):
     def shutdown(self) -> None:
         self._pool.shutdown()
         self._lookups.shutdown()
+        if self._mount_lookups is not None:
+            self._mount_lookups.close()
