@@ -47,6 +47,8 @@ def parse_capacity(text: str, filesystem_bytes: int) -> int:
     return capacity
 
 
+# A host's name in a shared backing directory (--shared): a directory name under .kvfs/hosts.
+_HOST_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _UMASK = re.compile(r"^(?:0o)?([0-7]{1,4})$", re.IGNORECASE)
 _HOSTNAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 
@@ -80,6 +82,13 @@ def parse_fuse_options(values: list[str]) -> tuple[str, ...]:
             if option not in options:
                 options.append(option)
     return tuple(options)
+
+
+def check_host_id(text: str, key: str = "--shared") -> str:
+    """A host id for a shared backing directory: 1-64 of A-Z a-z 0-9 _ - (a directory name)."""
+    if not _HOST_ID.match(text):
+        raise ConfigError(f"{key}: {text!r} is not a host id (1-64 of A-Z, a-z, 0-9, _ and -)")
+    return text
 
 
 def check_bind_address(value: object, key: str) -> str:
@@ -150,6 +159,9 @@ class MountConfig:
     # How long the kernel may cache names, misses and attributes. Safe to make long: every
     # change goes through the daemon, which invalidates what it changes behind the kernel.
     cache_timeout: float = 3600.0
+    # Serve a backing directory shared with other daemons (other hosts), as this host id
+    # (None: this daemon owns the backing directory alone). docs/research/fleet-design.md.
+    shared: str | None = None
 
     def __post_init__(self) -> None:
         if self.write_buffer_bytes < 1 << 20:
@@ -176,5 +188,7 @@ class MountConfig:
             raise ConfigError(f"file_umask: {self.file_umask:#o} is not a umask (0 to 0o777)")
         if self.events is not None and "://" not in self.events:
             raise ConfigError(f"events: {self.events!r} is not a ZMQ address (tcp://HOST:PORT)")
+        if self.shared is not None:
+            check_host_id(self.shared, "shared")
         if self.eviction not in POLICIES:
             raise ConfigError(f"eviction: {self.eviction!r} is not one of {', '.join(POLICIES)}")

@@ -9,6 +9,9 @@ plus one private directory at its root that the mount never shows:
                                  (an open() may still reach them); removed when it forgets
     <backing>/.kvfs/quarantine/  chunks whose bytes failed their checksum
     <backing>/.kvfs/lock         held by the daemon that serves this backing directory
+                                 (shared: held in shared mode by every --shared daemon)
+    <backing>/.kvfs/hosts/<id>/  a --shared daemon's own lock, tmp, spare and unlinked
+                                 directories: each host empties only its own at mount
 """
 
 from __future__ import annotations
@@ -19,6 +22,13 @@ SPARE_DIR = PRIVATE_DIR + b"/spare"
 UNLINKED_DIR = PRIVATE_DIR + b"/unlinked"
 QUARANTINE_DIR = PRIVATE_DIR + b"/quarantine"
 LOCK_FILE = PRIVATE_DIR + b"/lock"
+HOSTS_DIR = PRIVATE_DIR + b"/hosts"
+
+
+def host_dir(host: str) -> bytes:
+    """A --shared daemon's private area (host ids are checked: a plain directory name)."""
+    return b"%s/%s" % (HOSTS_DIR, host.encode())
+
 
 NAME_MAX = 255
 

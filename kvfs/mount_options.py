@@ -23,6 +23,7 @@ from kvfs.config import (
     ConfigError,
     MountConfig,
     check_bind_address,
+    check_host_id,
     parse_fuse_options,
     parse_size,
     parse_umask,
@@ -208,6 +209,16 @@ OPTIONS: tuple[Option, ...] = (
         "at its publish or first read, then read in passthrough where the session has it",
         field="verify",
         choices=VERIFY_MODES,
+    ),
+    Option(
+        "shared",
+        "serve a backing directory that other kvfs daemons (other hosts) serve too, as this "
+        "host id (1-64 of A-Z a-z 0-9 _ -, unique per backing directory): names the index "
+        "lacks are looked up on the backing directory, misses are cached 1 s, a chunk another "
+        "host published first is kept",
+        field="shared",
+        parse=lambda text, key: check_host_id(text, key),
+        metavar="HOST_ID",
     ),
     Option(
         "foreground",

@@ -12,6 +12,7 @@ data, and ``prepare`` removes what the crash left in ``.kvfs/tmp``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -50,6 +51,22 @@ class BackingBusy(RuntimeError):
     """Another daemon already serves this backing directory."""
 
 
+class _Held(Exception):
+    def __init__(self, rel: bytes, pid: str) -> None:
+        self.rel, self.pid = rel, pid
+
+
+@dataclass(frozen=True)
+class Found:
+    """A file or directory on the backing store that the index did not know (``probe``)."""
+
+    st: os.stat_result
+    checksum: str | None
+    last_read_ns: int
+    hits: int
+    pinned: bool
+
+
 @dataclass(frozen=True)
 class Published:
     """A file written to ``.kvfs/tmp`` and ready to be renamed into the tree."""
@@ -61,56 +78,88 @@ class Published:
 
 
 class BackingStore:
-    def __init__(self, root: bytes) -> None:
+    def __init__(self, root: bytes, host: str | None = None) -> None:
         self.root = os.path.abspath(root)
+        self.host = host  # --shared: this daemon's host id; None: it owns the directory alone
         self.xattrs = True  # cleared if the backing filesystem refuses user xattrs
         self.direct_io = False  # set by prepare() if the backing filesystem takes O_DIRECT
-        self._lock_fd: int | None = None
+        self._lock_fds: list[int] = []
+        # Temp, spare and unlinked files: the daemon's own; a shared one's are per host, so a
+        # mount empties only what its own earlier run left (another host's are in use).
+        own = layout.PRIVATE_DIR if host is None else layout.host_dir(host)
+        self.tmp_dir = own + b"/tmp"
+        self.spare_dir = own + b"/spare"
+        self.unlinked_dir = own + b"/unlinked"
 
     def abs(self, rel: bytes) -> bytes:
         return os.path.join(self.root, rel) if rel else self.root
+
+    def unlinked_path(self, ino: int) -> bytes:
+        return b"%s/%d" % (self.unlinked_dir, ino)
 
     # -- start-up ---------------------------------------------------------------------------
 
     def prepare(self) -> int:
         """Create the private area, take the lock, and remove orphan temp files.
 
-        Returns how many orphans were removed from ``.kvfs/tmp``, ``.kvfs/spare`` and
-        ``.kvfs/unlinked`` (the latter only mattered to the previous daemon's kernel
-        references).
+        Returns how many orphans were removed from the temp, spare and unlinked directories
+        (the latter only mattered to the previous daemon's kernel references).
         """
-        for private in (
-            layout.TMP_DIR,
-            layout.SPARE_DIR,
-            layout.UNLINKED_DIR,
-            layout.QUARANTINE_DIR,
-        ):
-            os.makedirs(self.abs(private), exist_ok=True)
-        fd = os.open(self.abs(layout.LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise BackingBusy(
-                f"backing directory {self.root.decode()} is served by another "
-                f"kvfs daemon (pid {holder or '?'})"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
+        private = (self.tmp_dir, self.spare_dir, self.unlinked_dir, layout.QUARANTINE_DIR)
+        for directory in private:
+            os.makedirs(self.abs(directory), exist_ok=True)
+        self._take_locks()
         removed = 0
-        for private in (layout.TMP_DIR, layout.SPARE_DIR, layout.UNLINKED_DIR):
-            with os.scandir(self.abs(private)) as entries:
+        for directory in private[:3]:
+            with os.scandir(self.abs(directory)) as entries:
                 for entry in entries:
                     os.unlink(entry.path)
                     removed += 1
         self.direct_io = self._probe_direct_io()
         return removed
 
+    def _take_locks(self) -> None:
+        """An owner holds ``.kvfs/lock`` exclusively; shared daemons hold it shared (so an
+        owner and shared daemons refuse each other) and their host's lock exclusively (so two
+        daemons with one host id refuse each other)."""
+        where = self.root.decode(errors="replace")
+        try:
+            if self.host is None:
+                self._lock(layout.LOCK_FILE, fcntl.LOCK_EX, True)
+            else:
+                self._lock(layout.LOCK_FILE, fcntl.LOCK_SH, False)
+                self._lock(os.path.join(layout.host_dir(self.host), b"lock"), fcntl.LOCK_EX, True)
+        except _Held as held:
+            self.close()
+            if self.host is None and held.rel == layout.LOCK_FILE and not held.pid:
+                why = "shared by --shared kvfs daemons"
+            elif self.host is None:
+                why = f"served by another kvfs daemon (pid {held.pid or '?'})"
+            elif held.rel == layout.LOCK_FILE:
+                why = f"served by a kvfs daemon without --shared (pid {held.pid or '?'})"
+            else:
+                why = f"served as host {self.host} by another kvfs daemon (pid {held.pid or '?'})"
+            raise BackingBusy(f"backing directory {where} is {why}") from None
+
+    def _lock(self, rel: bytes, how: int, owner: bool) -> None:
+        """flock ``rel``; ``owner``: write our pid into it, for the next one's message."""
+        fd = os.open(self.abs(rel), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise _Held(rel, pid) from None
+        self._lock_fds.append(fd)
+        if owner:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        elif how == fcntl.LOCK_SH:  # no owner now: an old owner's pid would mislead
+            os.ftruncate(fd, 0)
+
     def _probe_direct_io(self) -> bool:
         """Whether the backing filesystem takes O_DIRECT (tmpfs, ext4, xfs do; some NFS not)."""
-        path = self.abs(os.path.join(layout.TMP_DIR, b"o_direct_probe"))
+        path = self.abs(os.path.join(self.tmp_dir, b"o_direct_probe"))
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
         except OSError:
@@ -131,9 +180,8 @@ class BackingStore:
         return os.O_DIRECT if self.direct_io else 0
 
     def close(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        while self._lock_fds:
+            os.close(self._lock_fds.pop())
 
     def scan(self, index: Index) -> int:
         """Fill an empty index from the backing tree; returns how many engine temps it removed.
@@ -155,8 +203,9 @@ class BackingStore:
                     if layout.is_reserved(parent is root, name):
                         continue
                     if entry.is_file(follow_symlinks=False) and vllm_layout.is_engine_temp(name):
-                        os.unlink(entry.path)
-                        removed += 1
+                        if self.host is None:  # shared: another host's engine may be writing it
+                            os.unlink(entry.path)
+                            removed += 1
                         continue
                     est = entry.stat(follow_symlinks=False)
                     first = linked.get(est.st_ino) if est.st_nlink > 1 else None
@@ -192,9 +241,10 @@ class BackingStore:
     # -- data -------------------------------------------------------------------------------
 
     def _new_tmp(
-        self, extra_flags: int, mode: int, where: bytes = layout.TMP_DIR
+        self, extra_flags: int, mode: int, where: bytes | None = None
     ) -> tuple[bytes, int]:
-        suffix = b"spare" if where == layout.SPARE_DIR else b"tmp"
+        where = where or self.tmp_dir
+        suffix = b"spare" if where == self.spare_dir else b"tmp"
         name = b"%d-%s.%s" % (os.getpid(), os.urandom(8).hex().encode(), suffix)
         rel = os.path.join(where, name)
         flags = os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | extra_flags
@@ -235,7 +285,7 @@ class BackingStore:
         """A new empty file in ``.kvfs/tmp`` (``spare``: ``.kvfs/spare``, opened ahead) for the
         kernel to write itself (passthrough), open for reading and writing; ``seal_tmp``
         readies it for the rename that publishes it."""
-        return self._new_tmp(os.O_RDWR, mode, layout.SPARE_DIR if spare else layout.TMP_DIR)
+        return self._new_tmp(os.O_RDWR, mode, self.spare_dir if spare else self.tmp_dir)
 
     def seal_tmp(
         self,
@@ -327,6 +377,50 @@ class BackingStore:
         finally:
             os.close(fd)
 
+    def probe(self, rel: bytes) -> Found | None:
+        """What the backing directory has under ``rel`` that the index lacks (a shared
+        directory: another host published it): a regular file (with its checksum, recency
+        and pin) or a directory; None for nothing there, or anything else."""
+        path = self.abs(rel)
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if stat.S_ISDIR(st.st_mode):
+            return Found(st, None, 0, 0, _read_pinned(path))
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        probe = Node(0, b"", st.st_mode)
+        probe.mtime_ns = st.st_mtime_ns
+        _read_recency(path, probe)
+        return Found(st, checksum.read_xattr(path), probe.last_read_ns, probe.hits, False)
+
+    def link_new(self, src: bytes, rel: bytes) -> Found | None:
+        """Put ``src`` under the name ``rel`` unless something is there already (a shared
+        directory: another host published that name first), and drop the name ``src``.
+
+        link() is atomic on every filesystem that has hard links, NFS included (EEXIST): two
+        hosts publishing one name never replace each other, with no window between a check
+        and a rename. Returns None if ours took the name, else what holds it (kept), with its
+        checksum (computed if it has none in its xattr).
+        """
+        try:
+            os.link(self.abs(src), self.abs(rel), follow_symlinks=False)
+        except FileExistsError:
+            found = self.probe(rel)
+            if found is None:  # a directory or symlink took it: the name is not ours to take
+                raise
+            if found.checksum is None and not stat.S_ISDIR(found.st.st_mode):
+                fd = os.open(self.abs(rel), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    found = dataclasses.replace(found, checksum=checksum.of_file(fd)[0])
+                finally:
+                    os.close(fd)
+            self.discard(src)
+            return found
+        self.discard(src)
+        return None
+
     def save_recency(self, reads: list[tuple[bytes, int, int]]) -> None:
         """Persist reads: (path, last read in ns, hits) each. A file may have gone (or moved)
         since: then there is nothing to keep."""
@@ -387,7 +481,7 @@ class BackingStore:
     def relink(self, source: bytes, rel: bytes) -> None:
         """Point the name ``rel`` at the file ``source`` names, atomically (a hard link made
         under a temp name, then renamed over it)."""
-        tmp = self.abs(os.path.join(layout.TMP_DIR, os.urandom(8).hex().encode() + b".link"))
+        tmp = self.abs(os.path.join(self.tmp_dir, os.urandom(8).hex().encode() + b".link"))
         os.link(self.abs(source), tmp)
         try:
             os.rename(tmp, self.abs(rel))

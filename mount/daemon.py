@@ -93,7 +93,7 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
             os.write(ready_fd, message.encode() + b"\n")
 
     _keep_freed_memory()
-    store = BackingStore(os.fsencode(cfg.backing))
+    store = BackingStore(os.fsencode(cfg.backing), cfg.shared)
     try:
         orphans = store.prepare()
         index = Index(policy=make_policy(cfg.eviction))

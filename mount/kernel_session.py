@@ -126,6 +126,10 @@ _ON_OPEN_HANDLES = _NO_REPLY | {
 # -- what the operations receive --------------------------------------------------------------
 
 
+class NeedsIO(Exception):
+    """Raised by an inline handler (``lookup_now``...) that cannot answer from memory."""
+
+
 @dataclass(frozen=True, slots=True)
 class RequestContext:
     """Who made a request: what ``pyfuse3.RequestContext`` carries.
@@ -661,8 +665,11 @@ class KernelSession:
                             break
                         req = self._parse(view, size)
                         inline = self._inline.get(req.opcode)
-                        if inline is not None and not self._turned_away(req):
-                            self._serve_now(inline, req)  # no task: a third less latency
+                        if (
+                            inline is not None
+                            and not self._turned_away(req)
+                            and self._serve_now(inline, req)  # no task: a third less latency
+                        ):
                             slots.release()
                             continue
                         nursery.start_soon(self._serve, req, slots)
@@ -1013,9 +1020,13 @@ class KernelSession:
                     return None
                 raise
 
-    def _serve_now(self, handler: Callable[[_Request], None], req: _Request) -> None:
+    def _serve_now(self, handler: Callable[[_Request], None], req: _Request) -> bool:
+        """Answer a request inline; False if it needs I/O after all (``NeedsIO``): it is then
+        served in a task, like any other."""
         try:
             handler(req)
+        except NeedsIO:
+            return False
         except pyfuse3.FUSEError as err:
             self._fail(req, err.errno)
         except OSError as err:
@@ -1023,6 +1034,7 @@ class KernelSession:
         except Exception:
             log.exception("%s failed: EIO for this request", _opname(req.opcode))
             self._fail(req, errno.EIO)
+        return True
 
     async def _serve(self, req: _Request, slots: trio.Semaphore) -> None:
         try:

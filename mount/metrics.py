@@ -228,6 +228,22 @@ def _activity(s: Report) -> Iterator[Metric]:
     )
     yield _counter("kvfs_publishes", "Files published (written whole)", counters["publishes"])
     yield _counter("kvfs_written_bytes", "Bytes published", counters["bytes_written"])
+    yield _counter(
+        "kvfs_publish_conflicts",
+        "--shared: publishes that found another host's file with other bytes under their name "
+        "(that file kept)",
+        counters["publish_conflicts"],
+    )
+    yield _counter(
+        "kvfs_shared_found",
+        "--shared: names another host made that a lookup found on the backing directory",
+        counters["fell_through"],
+    )
+    yield _counter(
+        "kvfs_shared_gone",
+        "--shared: files another host removed that this index still had (a miss at open)",
+        counters["gone_elsewhere"],
+    )
     yield _by_reason(
         "kvfs_publish_failures",
         "Files their writer closed that were not published, by reason (the writer was told)",

@@ -44,9 +44,10 @@ from kvfs.checksum import ChecksumMismatch
 from kvfs.config import MountConfig
 from kvfs.index import Index, Node
 from kvfs.io_queues import DualQueuePool, Queue
+from kvfs.mount import shared
 from kvfs.mount.bridge import IO, ByteBudget, Detached, Future
 from kvfs.mount.eviction import EvictionReason, Evictor
-from kvfs.store import BackingStore, Published, fill_times
+from kvfs.store import BackingStore, Found, Published, fill_times
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -103,6 +104,12 @@ class ObjectCounters:
     publish_failures: Counter[PublishFailure] = field(default_factory=Counter)  # files
     quarantined: int = 0  # files that failed their checksum, moved to .kvfs/quarantine
     quarantined_bytes: int = 0
+    # --shared: names another host published that a lookup found on the backing directory;
+    # files another host removed that this index still had; publishes that found another
+    # host's file with other bytes under their name (that file kept, ours dropped).
+    fell_through: int = 0
+    gone_elsewhere: int = 0
+    publish_conflicts: int = 0
 
     def report(self) -> dict[str, Any]:
         """As the daemon's report (JSON) shows them: every failure reason, 0 or not."""
@@ -224,6 +231,7 @@ class Objects:
         self.checksum_failures = 0
         self._recency_dirty: dict[int, Node] = {}  # read since their recency was persisted
         self._spare_tmps: list[TmpFile] = []
+        self.adopted: set[int] = set()  # --shared: files a lookup found (another host's)
         index.on_release = self._released
         # Created in start(), once trio is running.
         self._ns: trio.Lock
@@ -438,17 +446,36 @@ class Objects:
                     raise fail(errno.EINVAL)
                 old_rel = os.path.join(self._attached(old_parent), old_name)
                 new_rel = os.path.join(self._attached(new_parent), new_name)
+                # Shared: an engine's temp renamed to a final name publishes it, and must not
+                # replace a file another host published there (unless it is the same bytes).
+                placing = (
+                    self.store.host is not None
+                    and node.on_backing
+                    and node.is_file
+                    and not node.links
+                    and (target is None or self._theirs(target, node))
+                )
                 if target is not None and not target.is_dir and target.on_backing:
-                    # If the node is not published yet, the old bytes must go all the same:
-                    # the name now means the new file.
-                    await self._retire(target, new_rel, replaced=node.on_backing)
-                if node.on_backing:
+                    if placing:  # its file stays, under the node that takes its name
+                        target.on_backing = False
+                    else:
+                        # If the node is not published yet, the old bytes must go all the
+                        # same: the name now means the new file.
+                        await self._retire(target, new_rel, replaced=node.on_backing)
+                found = None
+                if placing:
+                    found = await self.io.read(self.store.link_new, old_rel, new_rel)
+                    self.listener.moved_away(node)
+                elif node.on_backing:
                     await self.io.read(self.store.rename, old_rel, new_rel)
                     self.listener.moved_away(node)
                 if target is not None:
                     self.index.unlink(new_parent, new_name)
                 self.index.move(old_parent, old_name, new_parent, new_name)
-                if node.on_backing:
+                if found is not None:
+                    if self._lost_race(node, node.checksum or "", found):
+                        self.listener.content_changed(node)
+                elif node.on_backing:
                     self.listener.stored(node)
 
         await self.bounded(op)
@@ -483,7 +510,7 @@ class Objects:
         if last and node.is_file:
             self.listener.removed(node)
             if node.lookups or node.open_count:
-                await self.io.read(self.store.rename, rel, layout.unlinked_path(node.ino))
+                await self.io.read(self.store.rename, rel, self.store.unlinked_path(node.ino))
                 return
         if not replaced:
             await self.io.read(self.store.unlink, rel)
@@ -493,15 +520,16 @@ class Objects:
     def _released(self, node: Node) -> None:
         """The kernel and every handle let go of a node that left the tree: free its bytes."""
         self.listener.released(node)
+        self.adopted.discard(node.ino)
         if node.on_backing and not node.is_dir:
-            self.io.submit(Queue.WRITE, self.store.discard, layout.unlinked_path(node.ino))
+            self.io.submit(Queue.WRITE, self.store.discard, self.store.unlinked_path(node.ino))
 
     def _backing_rel(self, node: Node) -> bytes:
         """Where the backing store holds a node's published bytes."""
         if node.attached:
             return self.index.path(node)
         if node.on_backing:
-            return layout.unlinked_path(node.ino)
+            return self.store.unlinked_path(node.ino)
         raise fail(errno.ENOENT)
 
     async def set_attrs(
@@ -856,10 +884,13 @@ class Objects:
                 return False
             rel = self.index.path(node)
             try:
-                await self.io.read(self.store.rename, pub.tmp, rel)
+                found = await self._place(node, pub.tmp, rel)
             except BaseException:
                 self._discard_tmp(ws, prepared)
                 raise
+            if found is not None:  # another host published this name first: theirs stays
+                ws.dirty = False
+                return self._lost_race(node, pub.checksum, found)
             attrs = self._file_attrs(node)
             if attrs != prepared.attrs:  # chmod, chown, touch after its close
                 mode, uid, gid, times = attrs
@@ -882,6 +913,45 @@ class Objects:
             self.counters.bytes_written += pub.size
             self.listener.stored(node)
             return rewritten
+
+    async def _place(self, node: Node, src: bytes, rel: bytes) -> Found | None:
+        """Rename ``src`` to ``rel``; on a shared backing directory a name this daemon has not
+        published is taken with link() instead, which never replaces another host's file:
+        what holds the name then is returned (``_lost_race``)."""
+        if self.store.host is None or node.on_backing:
+            await self.io.read(self.store.rename, src, rel)
+            return None
+        return await self.io.read(self.store.link_new, src, rel)
+
+    def _theirs(self, target: Node, node: Node) -> bool:
+        """Whether a rename of ``node`` over ``target`` would replace another host's file (one
+        a lookup found on the share) with other bytes."""
+        return (
+            target.ino in self.adopted
+            and target.is_file
+            and not target.links
+            and (target.checksum is None or target.checksum != node.checksum)
+        )
+
+    def _lost_race(self, node: Node, ours: str, found: Found) -> bool:
+        """The node takes the file another host published under its name first. Other bytes
+        under one name (vLLM's names are content hashes) are counted and logged; returns
+        whether the kernel must drop what it cached of ours."""
+        conflict = found.checksum != ours
+        if conflict:
+            self.counters.publish_conflicts += 1
+            log.warning(
+                "publish of %s: another host published other bytes (checksum %s, ours %s) "
+                "under that name first; theirs kept",
+                self._name(node),
+                found.checksum,
+                ours,
+            )
+        shared.describe(self.index, node, found)
+        self.adopted.add(node.ino)  # another host's file now
+        node.rewritten = node.rewritten or conflict  # readers bypass pages of our version
+        self.listener.stored(node)
+        return conflict
 
     @staticmethod
     def _file_attrs(node: Node) -> Attrs:
@@ -1049,8 +1119,52 @@ class Objects:
     async def _open_backing(self, node: Node, direct: bool = True) -> Reader:
         """The exact version the index describes, and the checksum of that version."""
         async with self._ns:  # no rename or publish may change the version meanwhile
-            fd = await self.io.read(self.store.open_reader, self._backing_rel(node), direct)
-            return Reader(fd, node.checksum)
+            try:
+                fd = await self.io.read(self.store.open_reader, self._backing_rel(node), direct)
+                return Reader(fd, node.checksum)
+            except FileNotFoundError:
+                if self.store.host is None or not node.attached or node.links:
+                    raise
+                parent = self._gone(node)
+        # Another host removed it: a miss (ENOENT) like any other, and before the reader
+        # hears it, a miss for its next lookup too.
+        await self.listener.name_gone_now(parent, node.name, node)
+        raise fail(errno.ENOENT)
+
+    def _gone(self, node: Node) -> Node:
+        """Drop a file that another host evicted or unlinked from the index (caller holds the
+        lock); returns its former parent, whose name for it the kernel must forget."""
+        parent = node.parent
+        assert parent is not None
+        node.on_backing = False
+        self.listener.removed(node)
+        self.index.detach(node)
+        self.counters.gone_elsewhere += 1
+        return parent
+
+    async def fall_through(self, parent: Node, name: bytes) -> Node | None:
+        """A name the index lacks, looked up on a shared backing directory (another host may
+        have published it since the mount): a file or directory found there joins the index.
+        One stat, bounded by the deadline like any request on the store."""
+        if layout.is_reserved(parent is self.index.root, name) or not parent.attached:
+            return None
+        rel = os.path.join(self.index.path(parent), name)
+
+        async def op() -> Node | None:
+            found = await self.io.read(self.store.probe, rel)
+            async with self._ns:  # a create, rename or another lookup here meanwhile wins
+                known = self.index.child(parent, name)
+                if known is not None or found is None or not parent.attached:
+                    return known
+                if os.path.join(self.index.path(parent), name) != rel:  # the parent moved
+                    return None
+                self.counters.fell_through += 1
+                node = shared.adopt(self.index, parent, name, found)
+                if node.is_file:
+                    self.adopted.add(node.ino)
+                return node
+
+        return await self.bounded(op)
 
     async def load(self, node: Node, reader: Reader | None) -> tuple[Reader, ChunkBuffer]:
         """Read a version whole and verify it; ``reader`` None for a handle opened while the

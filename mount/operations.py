@@ -31,12 +31,13 @@ from kvfs.mount.bridge import contained
 from kvfs.mount.events import MountEvents
 from kvfs.mount.handles import Handle, Handles
 from kvfs.mount.invalidator import Invalidator
-from kvfs.mount.kernel_session import FuseSession, PassthroughFileInfo
+from kvfs.mount.kernel_session import FuseSession, NeedsIO, PassthroughFileInfo
 from kvfs.mount.listener import MountListener
 from kvfs.mount.lookups import LookupCounts
 from kvfs.mount.metrics import Metrics
 from kvfs.mount.objects import Objects
 from kvfs.mount.scrub import Scrub
+from kvfs.mount.shared import MISS_TIMEOUT
 from kvfs.store import BackingStore
 
 PATH_MAX = 4096  # the longest symlink target Linux takes
@@ -162,11 +163,17 @@ class KvfsOperations(pyfuse3.Operations):
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
-        return self._lookup(parent_inode, name)
+        try:
+            return self._lookup(parent_inode, name)
+        except NeedsIO:  # shared: a name the index lacks may be on the backing directory
+            parent = self._dir(parent_inode)
+            node = await self.objects.fall_through(parent, name)
+            return self._miss(parent, name) if node is None else self._entry(node)
 
     def _lookup(self, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes:
         """LOOKUP from memory, without waiting on anything: a session may answer it inline
-        (``lookup_now``, timed, set in __init__)."""
+        (``lookup_now``, timed, set in __init__). On a shared mount a name the index lacks
+        raises NeedsIO: ``lookup`` then looks on the backing directory."""
         if parent_inode == control.DIR_INO or (parent_inode == ROOT_INO and name == control.NAME):
             ino = control.DIR_INO if parent_inode == ROOT_INO else control.FILES.get(name)
             if ino is None:
@@ -182,14 +189,23 @@ class KvfsOperations(pyfuse3.Operations):
         else:
             node = self.index.child(parent, name)
         if node is None:
-            self.lookups.miss(parent, name)
-            # A negative entry: the kernel caches the miss, so repeated exists() on a cold
-            # cache never reach the daemon. Every create goes through us and replaces it.
-            miss = pyfuse3.EntryAttributes()
-            miss.st_ino = 0
-            miss.entry_timeout = self.cfg.cache_timeout
-            return miss
+            if self.cfg.shared is not None:
+                raise NeedsIO()
+            return self._miss(parent, name)
         return self._entry(node)
+
+    def _miss(self, parent: Node, name: bytes) -> pyfuse3.EntryAttributes:
+        """A negative entry: the kernel caches the miss, so repeated exists() on a cold cache
+        never reach the daemon. Every create here goes through us and replaces it; on a
+        shared mount another host may publish the name any moment: cached briefly."""
+        self.lookups.miss(parent, name)
+        miss = pyfuse3.EntryAttributes()
+        miss.st_ino = 0
+        shared = self.cfg.shared is not None
+        miss.entry_timeout = (
+            min(self.cfg.cache_timeout, MISS_TIMEOUT) if shared else (self.cfg.cache_timeout)
+        )
+        return miss
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         self.forget_now(inode_list)
