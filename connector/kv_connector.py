@@ -1,6 +1,6 @@
-"""The connector in one process: the scheduler side (TieringManager) and one worker's
-transfer engine, wired together for an engine that runs both in one place (TP=1), and for the
-end-to-end check and the benchmarks.
+"""The connector in one process: the scheduler side (TieringManager) and the workers' transfer
+engines (one per TP rank, all in this process), wired together for an engine that runs both in
+one place, and for the end-to-end check, the interop tests and the benchmarks.
 
 Per request and step, an engine calls ``lookup`` (how many leading chunks can come from the
 host tier; RETRY: ask again next step), ``load`` the hits into device blocks it allocates
@@ -23,8 +23,8 @@ from kvfs.connector.config import ConnectorConfig
 from kvfs.connector.host_memory import host_tensor, pin, unpin
 from kvfs.connector.manager import PrefixLookup, TieringManager
 from kvfs.connector.metrics import ConnectorMetrics
-from kvfs.connector.transfer import TransferEngine
-from kvfs.geometry import CANONICAL_FORMAT, ChunkLayout, ModelGeometry
+from kvfs.connector.transfer import TransferEngine, TransferResult
+from kvfs.geometry import ChunkLayout, ModelGeometry
 from kvfs.host_region import HostRegion
 from kvfs.run_config import KVCacheGroupConfig, RunConfig
 
@@ -50,8 +50,10 @@ class _Pending:
     sources: list[str]
 
 
-def run_config_for(geometry: ModelGeometry, model_name: str, tokens_per_hash: int) -> RunConfig:
-    """The namespace of kvfs's canonical chunks for this model (parallelism-agnostic)."""
+def run_config_for(layout: ChunkLayout, model_name: str, tokens_per_hash: int) -> RunConfig:
+    """The namespace vLLM's FileMapper gives these canonical chunks: the same digest, so vLLM
+    engines and kvfs's connector share files."""
+    geometry = layout.geometry
     return RunConfig(
         model_name=model_name,
         tokens_per_hash=tokens_per_hash,
@@ -60,7 +62,10 @@ def run_config_for(geometry: ModelGeometry, model_name: str, tokens_per_hash: in
         kv_cache_groups=tuple(
             KVCacheGroupConfig(g.tokens_per_block, g.layer_names) for g in geometry.groups
         ),
-        canonical_format=CANONICAL_FORMAT,
+        tp_size=layout.tp_size,
+        parallel_agnostic=layout.parallel_agnostic,
+        replicated_layout=layout.replicated_layout,
+        canonical_format=layout.canonical_format,
     )
 
 
@@ -69,7 +74,7 @@ class KVConnector:
         self,
         extra_config: Mapping[str, Any],
         geometry: ModelGeometry,
-        kv_caches: Mapping[str, torch.Tensor],
+        kv_caches: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
         model_name: str,
         instance: str,
         tokens_per_hash: int = 16,
@@ -82,7 +87,9 @@ class KVConnector:
                 f"blocks_per_chunk: {config.blocks_per_chunk}, the geometry has "
                 f"{geometry.blocks_per_chunk}"
             )
-        layout = ChunkLayout(geometry)
+        # one mapping per TP rank (a single mapping: TP=1)
+        ranks = [kv_caches] if isinstance(kv_caches, Mapping) else list(kv_caches)
+        layout = ChunkLayout(geometry, len(ranks), kv_layout)
         slots = config.cpu_bytes_to_use // layout.chunk_bytes
         if slots == 0:
             raise ConfigError(
@@ -90,23 +97,31 @@ class KVConnector:
                 f"{layout.chunk_bytes} bytes"
             )
         self.layout = layout
-        self.run_config = run_config_for(geometry, model_name, tokens_per_hash)
+        self.run_config = run_config_for(layout, model_name, tokens_per_hash)
         self.region = HostRegion.create(instance, slots, layout.chunk_bytes, geometry.fingerprint())
         self._host = host_tensor(self.region)
         self._pinned = False
         try:
             self._pinned = pin(self._host)
-            self.engine = TransferEngine(layout, kv_caches, self._host, kv_layout=kv_layout)
+            self.engines: list[TransferEngine] = []
             try:
+                for rank, kv in enumerate(ranks):
+                    self.engines.append(TransferEngine(layout, kv, self._host, rank))
                 self.manager = TieringManager(config, self.run_config, self.region.view, metrics)
             except BaseException:
-                self.engine.shutdown()
+                self._shutdown_engines()
                 raise
         except BaseException:
             self._release_host()
             raise
         self._next_job = 0
         self._pending: dict[int, _Pending] = {}
+        self._results: dict[int, list[TransferResult]] = {}  # ranks that reported, per job
+
+    @property
+    def engine(self) -> TransferEngine:
+        """Rank 0's engine (the only one at TP=1)."""
+        return self.engines[0]
 
     @property
     def metrics(self) -> ConnectorMetrics:
@@ -157,15 +172,16 @@ class KVConnector:
     ) -> int:
         self._next_job += 1
         job = self._next_job
-        submit = self.engine.submit_load if kind == "load" else self.engine.submit_store
-        submit(job, group, slots, block_ids)
+        for engine in self.engines:
+            submit = engine.submit_load if kind == "load" else engine.submit_store
+            submit(job, group, slots, block_ids)
         self._pending[job] = _Pending(kind, list(keys), list(block_ids), request_id, [])
         return job
 
     def step(self) -> list[Finished]:
         """End of a scheduler step: account for finished copies, start promotions."""
         finished = []
-        for result in self.engine.get_finished():
+        for result in self._finished_jobs():
             pending = self._pending.pop(result.job_id)
             if pending.kind == "store":
                 self.manager.complete_store(pending.keys, pending.request_id, result.success)
@@ -186,8 +202,31 @@ class KVConnector:
         self.manager.on_schedule_end()
         return finished
 
+    def _finished_jobs(self) -> list[TransferResult]:
+        """Jobs every rank has finished, each as one result (failed if any rank failed)."""
+        done = []
+        for engine in self.engines:
+            for result in engine.get_finished():
+                reports = self._results.setdefault(result.job_id, [])
+                reports.append(result)
+                if len(reports) == len(self.engines):
+                    del self._results[result.job_id]
+                    failed = [r for r in reports if not r.success]
+                    done.append(
+                        failed[0]
+                        if failed
+                        else TransferResult(
+                            result.job_id,
+                            True,
+                            sum(r.bytes for r in reports),
+                            max(r.seconds for r in reports),
+                        )
+                    )
+        return done
+
     def wait(self, job_ids: Sequence[int]) -> None:
-        self.engine.wait(job_ids)
+        for engine in self.engines:
+            engine.wait(job_ids)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self.manager.touch(keys)
@@ -197,7 +236,7 @@ class KVConnector:
 
     def drain(self) -> list[Finished]:
         """Wait until every copy submitted so far is done, to the device, host and tiers."""
-        self.engine.wait(list(self._pending))
+        self.wait(list(self._pending))
         finished = self.step()
         self.manager.drain()
         return finished
@@ -209,12 +248,16 @@ class KVConnector:
             self.drain()
         finally:
             try:
-                self.engine.shutdown()
+                self._shutdown_engines()
             finally:
                 try:
                     self.manager.shutdown()
                 finally:
                     self._release_host()
+
+    def _shutdown_engines(self) -> None:
+        for engine in self.engines:
+            engine.shutdown()
 
     def _release_host(self) -> None:
         if self._pinned:

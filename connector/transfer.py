@@ -1,9 +1,10 @@
 """Batched, asynchronous copies between paged KV tensors and host chunk slots.
 
-One engine per worker (TP rank). A store gathers the job's device blocks, layer by layer, into
-a device staging buffer already in the canonical page order (one gather kernel per layer, the
-NHD or HND device order folded into the gather), then copies the rank's runs into the host
-slots; at TP=1 a chunk is one contiguous copy. A load runs the same steps backwards.
+One engine per worker (TP rank). The chunk layout is vLLM's canonical one (kvfs/geometry.py).
+A store gathers the job's device blocks, layer by layer, into a device staging buffer already
+in the canonical page order (one gather kernel per layer), then copies the rank's runs into the
+host slots (at TP=1 one copy per area of a chunk) and rank 0 zeroes what the group leaves
+unused. A load runs the same steps backwards.
 
 With CUDA the copies go on two dedicated streams (stores, loads), ordered after the work
 already queued on the caller's stream by an event, and each job records an event at its end:
@@ -34,8 +35,6 @@ from kvfs.geometry import ChunkLayout, GeometryError, GroupGeometry, LayerKind, 
 
 log = logging.getLogger(__name__)
 
-KV_LAYOUTS = ("NHD", "HND")
-
 
 @dataclass(frozen=True)
 class TransferResult:
@@ -56,6 +55,7 @@ class _GroupPlan:
     num_blocks: int
     page_offsets: list[list[int]]  # [layer][block] -> offset in the chunk
     rank_part: Callable[[torch.Tensor], torch.Tensor]  # a page -> this rank's part, like canon
+    gaps: list[tuple[int, int]]  # chunk byte ranges the group does not use (zeroed on store)
 
 
 @dataclass
@@ -177,12 +177,13 @@ def _timed(work: Callable[[], None]) -> float:
 
 
 class TransferEngine:
-    """Device <-> host copies for one rank of ``tp_size``.
+    """Device <-> host copies for rank ``rank`` of the layout's ``tp_size``.
 
     ``kv_caches`` maps every layer of the geometry to its paged tensor on this rank:
 
-    - attention, ``kv_layout`` NHD: (num_blocks, 2, tokens_per_block, local_heads, head_size);
-      HND: (num_blocks, 2, local_heads, tokens_per_block, head_size)
+    - attention: vLLM's packed view (num_blocks, local_heads, tokens_per_block, 2 * head_size),
+      in memory token-major for the layout's NHD, head-major for HND (any strides with the
+      last dimension contiguous: vLLM's ``allocate_kv_cache`` views are taken as they are)
     - MLA: (num_blocks, tokens_per_block, latent width), every rank the whole latent
     - Mamba: (num_blocks, ...), this rank's state bytes per block, contiguous
 
@@ -194,14 +195,10 @@ class TransferEngine:
         layout: ChunkLayout,
         kv_caches: Mapping[str, torch.Tensor],
         host: torch.Tensor,
-        tp_size: int = 1,
         rank: int = 0,
-        kv_layout: str = "NHD",
         scratch_bytes: int = 64 << 20,
         staged: bool | None = None,
     ) -> None:
-        if kv_layout not in KV_LAYOUTS:
-            raise GeometryError(f"kv_layout {kv_layout!r}: choose one of {', '.join(KV_LAYOUTS)}")
         if host.dtype != torch.uint8 or host.dim() != 2 or host.device.type != "cpu":
             raise GeometryError("host must be a uint8 CPU tensor of shape (num_slots, chunk_bytes)")
         if host.shape[1] != layout.chunk_bytes:
@@ -220,13 +217,14 @@ class TransferEngine:
         self.device = devices.pop()
         self.layout = layout
         self.host = host
-        self.tp_size, self.rank = tp_size, rank
+        self.tp_size, self.rank = layout.tp_size, rank
         self._scratch_bytes = scratch_bytes  # staging per lane: jobs go in pieces this big
         # Staging batches a job into a few large DMA copies; on CPU tensors, where device and
         # host memory are one, each page is copied straight to its place instead.
         self.staged = self.device.type != "cpu" if staged is None else staged
         self._plans = [
-            self._plan(layout, g, kv_caches, kv_layout) for g in range(len(layout.geometry.groups))
+            self._plan(layout, g, kv_caches, layout.kv_layout)
+            for g in range(len(layout.geometry.groups))
         ]
         self._stores = _Lane(self.device, "store")
         self._loads = _Lane(self.device, "load")
@@ -252,14 +250,18 @@ class TransferEngine:
         def rank_part(page: torch.Tensor) -> torch.Tensor:
             words = page.view(word)
             if spec.kind.is_attention:
-                heads = words.view(2, spec.num_kv_heads, spec.tokens_per_block, inner)
-                return heads[:, share.first_head : share.first_head + share.local_heads]
+                heads = slice(share.first_head, share.first_head + share.local_heads)
+                if order == "HND":
+                    return words.view(spec.num_kv_heads, spec.tokens_per_block, inner)[heads]
+                return words.view(spec.tokens_per_block, spec.num_kv_heads, inner)[:, heads]
             if spec.kind is LayerKind.MLA:
                 return words.view(spec.tokens_per_block, inner)
             run = share.runs[0]
             return page[run.page_offset : run.page_offset + run.length].view(word)
 
         bpc = layout.blocks_per_chunk
+        edges = [0, *(x for r in layout.used_ranges(group) for x in r), layout.chunk_bytes]
+        gaps = [(a, b) for a, b in zip(edges[::2], edges[1::2], strict=True) if a < b]
         return _GroupPlan(
             spec=spec,
             canon=canon,
@@ -271,6 +273,7 @@ class TransferEngine:
                 [layout.page_offset(group, i, b) for b in range(bpc)] for i in range(len(canon))
             ],
             rank_part=rank_part,
+            gaps=gaps,
         )
 
     # -- submitting -------------------------------------------------------------------------
@@ -282,6 +285,10 @@ class TransferEngine:
         ``block_ids[i * blocks_per_chunk : (i + 1) * blocks_per_chunk]``."""
         plan, slots, idx = self._validate(job_id, group, slots, block_ids)
         lane = self._stores
+        if self.rank == 0:  # deterministic files: vLLM's reused rows keep stale bytes here
+            for slot in slots:
+                for start, end in plan.gaps:
+                    self.host[slot, start:end].zero_()
         writing = sum(1 for s in slots if plan.writes(s))
 
         def direct() -> None:
@@ -463,21 +470,20 @@ def _canonical_view(
         raise GeometryError(f"layer {name}: dtype {tensor.dtype}, the geometry says {dtype}")
     if spec.kind is LayerKind.MLA:
         want: tuple[int, ...] = (tokens, spec.head_size)
-    elif order == "NHD":
-        want = (2, tokens, local_heads, spec.head_size)
     else:
-        want = (2, local_heads, tokens, spec.head_size)
+        want = (local_heads, tokens, 2 * spec.head_size)
     if tensor.dim() != 1 + len(want) or tuple(tensor.shape[1:]) != want:
         raise GeometryError(
             f"layer {name}: shape {tuple(tensor.shape)}, expected (num_blocks, "
-            f"{', '.join(map(str, want))}) for {spec.kind.value} {order}"
+            f"{', '.join(map(str, want))}) for {spec.kind.value}"
         )
     if tensor.stride(-1) != 1:
         raise GeometryError(f"layer {name}: the head dimension must be contiguous")
-    raw = tensor.view(_word(spec.head_size * spec.element_bytes))
     if spec.kind is LayerKind.MLA:
-        return raw
-    return raw.permute(0, 1, 3, 2, 4) if order == "NHD" else raw
+        return tensor.view(_word(spec.head_size * spec.element_bytes))
+    raw = tensor.view(_word(2 * spec.head_size * spec.element_bytes))
+    # the logical (block, head, token) view in the page's order: token-major for NHD
+    return raw.permute(0, 2, 1, 3) if order == "NHD" else raw
 
 
 def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

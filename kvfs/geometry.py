@@ -1,26 +1,28 @@
-"""The canonical host layout of a chunk: where every (layer, block) page sits, and which bytes
-of it each tensor-parallel rank contributes.
+"""vLLM 0.33.0's canonical chunk layout (``canonical_format`` "v1-nhd" / "v1-hnd"), computed
+without vLLM: where every (layer, block) page sits in a chunk, and which bytes of it each
+tensor-parallel rank contributes. The connector's copies follow it; tests check it against
+vLLM's own ``CanonicalPageMapping``s and files (tests/test_vllm_interop.py).
 
-A chunk is ``blocks_per_chunk`` consecutive blocks of one KV-cache group, all of the group's
-layers. Its bytes are the group's pages, layer-major then block:
+Device KV is vLLM 0.33's packed form, one tensor per layer of logical shape
+``(num_blocks, kv heads, tokens, 2 * head_size)`` (K and V adjacent per head and token), kept
+in memory token-major (NHD, vLLM's LBNHC) or head-major (HND, LBHNC). A page is one layer's
+block with every rank's heads gathered, so TP=1, 2 and 4 write identical bytes:
 
-    page(layer i, block b) at offset (i * blocks_per_chunk + b) * page_bytes
+- attention (full or sliding window): NHD ``[token][kv head][K|V]``, HND
+  ``[kv head][token][K|V]``, all KV heads of the model. With fewer KV heads than ranks, each
+  head is replicated on tp/heads ranks.
+- MLA: ``[token][latent]``, replicated on every rank.
+- Mamba: vLLM's opaque layout, rank r's state at r x its size; its bytes depend on the
+  topology, so its namespace is not parallel-agnostic.
 
-and the chunk size is the largest group's, rounded up to 4 KiB (one size for every file of a
-configuration, as vLLM's fs tier needs; a smaller group leaves the tail unused). A page holds
-one layer's block with every rank's share gathered, so TP=1, 2 and 4 write identical bytes:
+A chunk (``blocks_per_chunk`` blocks of one KV-cache group) has one area per canonical
+tensor: vLLM's hybrid planner makes layer t of every group share device tensor t, so tensor t
+is "the t-th layer of each group". Area t holds ``blocks_per_chunk`` pages of the largest
+page among its layers, block-major. The chunk is vLLM's host row: the worker's device bytes
+per block (every tensor, every rank's copy) x blocks_per_chunk, rounded up to 4 KiB. What a
+group does not use is zeroed, so files are deterministic (vLLM leaves stale bytes there).
 
-- attention (full or sliding window): ``[K|V][kv head][token][head dim]``, all KV heads of the
-  model. A rank holding heads h0..h1 contributes two runs, its K heads and its V heads. With
-  fewer KV heads than ranks, each head is replicated on tp/heads ranks.
-- MLA: ``[token][latent]``, the compressed latent (kv_lora_rank + rope dims), replicated on
-  every rank.
-- Mamba: the layer's state for the block as one fixed-size byte run, split evenly, rank r
-  contributing the r-th part.
-
-Replicated bytes are written by one of the ranks that hold them, chosen by chunk slot so that
-the work spreads; every rank reads them back. For attention the page is vLLM's canonical HND
-page (K then V, heads, tokens), whatever order the device keeps the heads and tokens in.
+Replicated bytes are written by one of the ranks that hold them, chosen by chunk slot.
 """
 
 from __future__ import annotations
@@ -31,9 +33,8 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 
 ALIGNMENT = 4096
-# Names this byte layout in the run configuration (vLLM's canonical_format field), so its
-# chunks never share a namespace with vLLM's own layouts, whose bytes differ.
-CANONICAL_FORMAT = "kvfs-v1"
+# vLLM's canonical_format_id per device layout (canonical_mapping.py, format version 1)
+KV_LAYOUTS = {"NHD": "v1-nhd", "HND": "v1-hnd"}
 
 # KV-cache dtypes, by torch name, and their element sizes.
 DTYPE_BYTES = {
@@ -173,14 +174,51 @@ class RankShare:
         return slot % self.holders == self.holder_index
 
 
-class ChunkLayout:
-    """Offsets and sizes of the canonical chunk for one model geometry."""
+def canonical_format_id(kv_layout: str) -> str:
+    """vLLM's name for the canonical bytes of a device layout ("NHD" -> "v1-nhd")."""
+    try:
+        return KV_LAYOUTS[kv_layout]
+    except KeyError:
+        raise GeometryError(
+            f"kv_layout {kv_layout!r}: choose one of {', '.join(KV_LAYOUTS)}"
+        ) from None
 
-    def __init__(self, geometry: ModelGeometry) -> None:
+
+class ChunkLayout:
+    """Offsets and sizes of the canonical chunk for one model geometry, device layout and
+    tensor-parallel size (the row size depends on it where bytes are replicated)."""
+
+    def __init__(self, geometry: ModelGeometry, tp_size: int = 1, kv_layout: str = "NHD") -> None:
         self.geometry = geometry
         self.blocks_per_chunk = geometry.blocks_per_chunk
-        used = max(self.group_bytes(g) for g in range(len(geometry.groups)))
-        self.chunk_bytes = -(-used // ALIGNMENT) * ALIGNMENT
+        self.tp_size = tp_size
+        self.kv_layout = kv_layout
+        self.canonical_format = canonical_format_id(kv_layout)
+        groups = geometry.groups
+        # As vLLM's build_offloading_config decides: Mamba pages are topology-specific, and an
+        # all-MLA model keeps one copy of its replicated latent per row.
+        self.parallel_agnostic = all(g.kind is not LayerKind.MAMBA for g in groups)
+        self.replicated_layout = self.parallel_agnostic and all(
+            g.kind is LayerKind.MLA for g in groups
+        )
+        tensors = max(len(g.layer_names) for g in groups)
+        self.area_pages = [
+            max(g.page_bytes for g in groups if t < len(g.layer_names)) for t in range(tensors)
+        ]
+        self.area_offsets = [
+            sum(self.area_pages[:t]) * self.blocks_per_chunk for t in range(tensors)
+        ]
+        local = [  # a rank's device bytes per block of tensor t
+            max(
+                self.rank_share(g, tp_size, 0).local_page_bytes
+                for g, spec in enumerate(groups)
+                if t < len(spec.layer_names)
+            )
+            for t in range(tensors)
+        ]
+        copies = 1 if self.replicated_layout else tp_size
+        row = sum(local) * copies * self.blocks_per_chunk
+        self.chunk_bytes = -(-row // ALIGNMENT) * ALIGNMENT
 
     def group(self, group: int) -> GroupGeometry:
         try:
@@ -190,10 +228,17 @@ class ChunkLayout:
                 f"group {group}: the geometry has {len(self.geometry.groups)} groups"
             ) from None
 
+    def used_ranges(self, group: int) -> list[tuple[int, int]]:
+        """The byte ranges of a chunk this group's pages fill (the rest is zeroed)."""
+        spec, bpc = self.group(group), self.blocks_per_chunk
+        return [
+            (self.area_offsets[i], self.area_offsets[i] + bpc * spec.page_bytes)
+            for i in range(len(spec.layer_names))
+        ]
+
     def group_bytes(self, group: int) -> int:
-        """Bytes of a chunk this group uses (the rest, up to chunk_bytes, is padding)."""
-        spec = self.group(group)
-        return len(spec.layer_names) * self.blocks_per_chunk * spec.page_bytes
+        """Bytes of a chunk this group's pages fill."""
+        return sum(end - start for start, end in self.used_ranges(group))
 
     def page_offset(self, group: int, layer: int | str, block: int) -> int:
         """Offset of (layer, block) in a chunk of ``group``; ``layer`` by index or name."""
@@ -201,7 +246,7 @@ class ChunkLayout:
         index = spec.layer_names.index(layer) if isinstance(layer, str) else layer
         if not 0 <= index < len(spec.layer_names) or not 0 <= block < self.blocks_per_chunk:
             raise GeometryError(f"(layer {layer}, block {block}) is not in a chunk of {group}")
-        return (index * self.blocks_per_chunk + block) * spec.page_bytes
+        return self.area_offsets[index] + block * spec.page_bytes
 
     def rank_share(self, group: int, tp_size: int, rank: int) -> RankShare:
         """Which bytes of every page of ``group`` rank ``rank`` of ``tp_size`` contributes."""
@@ -228,29 +273,38 @@ class ChunkLayout:
                 raise GeometryError(f"{heads} KV heads do not replicate over {tp_size} ranks")
             local, holders = 1, tp_size // heads
         first_head = (rank // holders) * local
-        head_bytes = spec.tokens_per_block * spec.head_size * spec.element_bytes
-        half = local * head_bytes  # the rank's K (or V) heads
-        runs = tuple(Run((kv * heads + first_head) * head_bytes, kv * half, half) for kv in (0, 1))
-        return RankShare(runs, 2 * half, local, first_head, holders, rank % holders)
+        tokens = spec.tokens_per_block
+        entry = 2 * spec.head_size * spec.element_bytes  # one head's K|V for one token
+        if self.kv_layout == "HND":  # [head][token][K|V]: the rank's heads are one run
+            runs: tuple[Run, ...] = (Run(first_head * tokens * entry, 0, local * tokens * entry),)
+        else:  # [token][head][K|V]: one run per token
+            runs = tuple(
+                Run((n * heads + first_head) * entry, n * local * entry, local * entry)
+                for n in range(tokens)
+            )
+        return RankShare(runs, local * tokens * entry, local, first_head, holders, rank % holders)
 
     def row_runs(self, group: int, share: RankShare) -> list[Run]:
         """A rank's runs over a whole chunk of ``group``: ``page_offset`` is in the chunk,
         ``local_offset`` in the rank's pages laid out contiguously (layer, block, local page).
-        Adjacent runs are merged: at TP=1 a chunk is a single run."""
+        Adjacent runs are merged: at TP=1 each area is a single run."""
         spec = self.group(group)
-        pages = len(spec.layer_names) * self.blocks_per_chunk
         merged: list[Run] = []
-        for page in range(pages):
-            for run in share.runs:
-                chunk_offset = page * spec.page_bytes + run.page_offset
-                local_offset = page * share.local_page_bytes + run.local_offset
-                last = merged[-1] if merged else None
-                if (
-                    last is not None
-                    and last.page_offset + last.length == chunk_offset
-                    and last.local_offset + last.length == local_offset
-                ):
-                    merged[-1] = Run(last.page_offset, last.local_offset, last.length + run.length)
-                else:
-                    merged.append(Run(chunk_offset, local_offset, run.length))
+        for layer in range(len(spec.layer_names)):
+            for block in range(self.blocks_per_chunk):
+                page = layer * self.blocks_per_chunk + block
+                for run in share.runs:
+                    chunk_offset = self.page_offset(group, layer, block) + run.page_offset
+                    local_offset = page * share.local_page_bytes + run.local_offset
+                    last = merged[-1] if merged else None
+                    if (
+                        last is not None
+                        and last.page_offset + last.length == chunk_offset
+                        and last.local_offset + last.length == local_offset
+                    ):
+                        merged[-1] = Run(
+                            last.page_offset, last.local_offset, last.length + run.length
+                        )
+                    else:
+                        merged.append(Run(chunk_offset, local_offset, run.length))
         return merged

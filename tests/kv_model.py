@@ -1,7 +1,8 @@
 """A small model geometry with every layer type, its full KV tensors, and each rank's shard.
 
 The full tensors are what a TP=1 engine holds; rank r of a TP group holds the heads (or state
-bytes) the canonical layout gives it, in the device order it uses (NHD or HND).
+bytes) the canonical layout gives it, as vLLM 0.33's packed view (blocks, heads, tokens, K|V)
+kept in memory in the device order it uses (NHD: token-major, HND: head-major).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def geometry(blocks_per_chunk: int = 2) -> ModelGeometry:
 
 
 def full_tensors(geo: ModelGeometry, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Every layer's whole KV cache (all heads), canonical NHD order, on the CPU."""
+    """Every layer's whole KV cache (all heads) on the CPU; attention (blocks, tokens, heads,
+    K|V)."""
     out = {}
     for g, spec in enumerate(geo.groups):
         for i, name in enumerate(spec.layer_names):
@@ -42,7 +44,7 @@ def full_tensors(geo: ModelGeometry, seed: int = 0) -> dict[str, torch.Tensor]:
             if spec.kind is LayerKind.MLA:
                 shape: tuple[int, ...] = (NUM_BLOCKS, TOKENS, spec.head_size)
             else:
-                shape = (NUM_BLOCKS, 2, TOKENS, spec.num_kv_heads, spec.head_size)
+                shape = (NUM_BLOCKS, TOKENS, spec.num_kv_heads, 2 * spec.head_size)
             out[name] = torch.randn(shape, generator=gen).to(getattr(torch, spec.dtype))
     return out
 
@@ -50,8 +52,8 @@ def full_tensors(geo: ModelGeometry, seed: int = 0) -> dict[str, torch.Tensor]:
 def shard(
     geo: ModelGeometry, full: dict[str, torch.Tensor], tp: int, rank: int, kv_layout: str
 ) -> dict[str, torch.Tensor]:
-    """What rank ``rank`` of ``tp`` holds, in its device order."""
-    layout = ChunkLayout(geo)
+    """What rank ``rank`` of ``tp`` holds: packed views, in its device order."""
+    layout = ChunkLayout(geo, tp, kv_layout)
     out = {}
     for g, spec in enumerate(geo.groups):
         share = layout.rank_share(g, tp, rank)
@@ -66,10 +68,11 @@ def shard(
                 out[name] = tensor.clone()
             else:
                 first = (rank // share.holders) * share.local_heads
-                local = tensor[:, :, :, first : first + share.local_heads]
+                local = tensor[:, :, first : first + share.local_heads]
                 if kv_layout == "HND":
-                    local = local.permute(0, 1, 3, 2, 4)
-                out[name] = local.contiguous()
+                    out[name] = local.permute(0, 2, 1, 3).contiguous()
+                else:
+                    out[name] = local.contiguous().permute(0, 2, 1, 3)
     return out
 
 

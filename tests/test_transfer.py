@@ -9,6 +9,7 @@ import sys
 import threading
 import uuid
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,10 +20,15 @@ from tests import kv_model, tp_worker
 
 
 def make_engine(
-    geo: ModelGeometry, kv: dict[str, torch.Tensor], slots: int, **options: object
+    geo: ModelGeometry,
+    kv: dict[str, torch.Tensor],
+    slots: int,
+    kv_layout: str = "NHD",
+    **options: object,
 ) -> tuple[TransferEngine, torch.Tensor]:
-    layout = ChunkLayout(geo)
-    host = torch.zeros((slots, layout.chunk_bytes), dtype=torch.uint8)
+    layout = ChunkLayout(geo, kv_layout=kv_layout)
+    # stale bytes everywhere: a store must leave none in the chunks it writes
+    host = torch.full((slots, layout.chunk_bytes), 0xA5, dtype=torch.uint8)
     return TransferEngine(layout, kv, host, **options), host  # type: ignore[arg-type]
 
 
@@ -47,18 +53,23 @@ PATHS = {
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 def test_round_trip_every_layer_type(blocks_per_chunk: int, kv_layout: str, path: str) -> None:
     geo = kv_model.geometry(blocks_per_chunk)
-    layout = ChunkLayout(geo)
+    layout = ChunkLayout(geo, kv_layout=kv_layout)
     kv = kv_model.shard(geo, kv_model.full_tensors(geo), 1, 0, kv_layout)
     engine, host = make_engine(geo, kv, slots=6, kv_layout=kv_layout, **PATHS[path])
     back = {name: torch.zeros_like(t) for name, t in kv.items()}
-    restorer = TransferEngine(layout, back, host, kv_layout=kv_layout, **PATHS[path])  # type: ignore[arg-type]
+    restorer = TransferEngine(layout, back, host, **PATHS[path])  # type: ignore[arg-type]
     chunks = 3
     for group, spec in enumerate(geo.groups):
         blocks = torch.randperm(kv_model.NUM_BLOCKS)[: chunks * blocks_per_chunk].tolist()
         slots = [5, 0, 3]
         run(engine, group * 2, False, group, slots, blocks)
-        # the chunk is the canonical page layout: check every (layer, block) page
+        # the chunk is the canonical page layout: check every (layer, block) page, and that
+        # what the group does not use is zero
         for c, slot in enumerate(slots):
+            unused = torch.ones(layout.chunk_bytes, dtype=torch.bool)
+            for start, end in layout.used_ranges(group):
+                unused[start:end] = False
+            assert not host[slot][unused].any(), "stale bytes left in a stored chunk"
             for i, name in enumerate(spec.layer_names):
                 for b in range(blocks_per_chunk):
                     at = layout.page_offset(group, i, b)
@@ -79,10 +90,11 @@ def test_round_trip_every_layer_type(blocks_per_chunk: int, kv_layout: str, path
 def canonical_page(
     spec: GroupGeometry, tensor: torch.Tensor, block: int, kv_layout: str
 ) -> torch.Tensor:
-    """The page the layout defines, built independently: K then V, heads, tokens, dims."""
+    """vLLM's canonical page, built independently: attention [token][head][K|V] (v1-nhd) or
+    [head][token][K|V] (v1-hnd), from the packed (heads, tokens, K|V) view of the block."""
     data = tensor[block]
     if spec.kind.is_attention and kv_layout == "NHD":
-        data = data.permute(0, 2, 1, 3)  # (2, T, H, d) -> (2, H, T, d)
+        data = data.transpose(0, 1)  # (H, T, 2d) -> (T, H, 2d)
     return data.contiguous().view(torch.uint8).reshape(-1)
 
 
@@ -102,30 +114,58 @@ def test_chunk_sizes_are_4k_aligned_and_fixed() -> None:
     assert ChunkLayout(llama).chunk_bytes == 2 << 20
 
 
-def test_tp_1_2_4_write_identical_chunks_and_reload_every_shard() -> None:
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_tp_1_2_4_write_identical_chunks_and_reload_every_shard(kv_layout: str) -> None:
+    """Ranks in processes of their own. The rows' sizes follow vLLM's (replicated heads and
+    MLA take a copy per rank), so a reload gets another TP's used bytes, as a file would
+    bring them, in a region of its own row size."""
     geo = kv_model.geometry(blocks_per_chunk=2)
-    layout = ChunkLayout(geo)
+    layouts = {tp: ChunkLayout(geo, tp, kv_layout) for tp in (1, 2, 4)}
     tag = uuid.uuid4().hex[:8]
     names = {tp: f"tp{tp}-{tag}" for tp in (1, 2, 4)}
+    reload_names = {tp: f"re{tp}-{tag}" for tp in (1, 2, 4)}
     regions = {
-        tp: HostRegion.create(name, 8, layout.chunk_bytes, geo.fingerprint())
+        tp: HostRegion.create(name, 8, layouts[tp].chunk_bytes, geo.fingerprint())
         for tp, name in names.items()
+    }
+    reloads = {
+        tp: HostRegion.create(name, 8, layouts[tp].chunk_bytes, geo.fingerprint())
+        for tp, name in reload_names.items()
     }
     gen = torch.Generator().manual_seed(3)
     plan: tp_worker.Plan = []
     for group in range(len(geo.groups)):
         blocks = torch.randperm(kv_model.NUM_BLOCKS, generator=gen)[:4].tolist()
         plan.append((group, [group * 2, group * 2 + 1], blocks))
+
+    def used(tp: int) -> list[bytes]:
+        """Per chunk of the plan: the bytes its group uses."""
+        rows = np.asarray(regions[tp].view)
+        return [
+            b"".join(rows[slot, a:b].tobytes() for a, b in layouts[tp].used_ranges(group))
+            for group, slots, _ in plan
+            for slot in slots
+        ]
+
     ctx = multiprocessing.get_context("spawn")
     ranks = [(tp, r) for tp in (1, 2, 4) for r in range(tp)]
     barrier, results = ctx.Barrier(len(ranks) + 1), ctx.Queue()
-    # Neither the device order nor the copy path changes a chunk.
-    layouts = {1: ("NHD", False), 2: ("HND", True), 4: ("NHD", False)}
-    load_from = {1: names[4], 2: names[1], 4: names[2]}  # each reloads what another TP wrote
+    staged = {1: False, 2: True, 4: False}  # nor does the copy path change a chunk
+    load_from = {1: 4, 2: 1, 4: 2}  # each reloads what another TP wrote
     procs = [
         ctx.Process(
             target=tp_worker.run_rank,
-            args=(tp, r, *layouts[tp], names[tp], load_from[tp], plan, barrier, results),
+            args=(
+                tp,
+                r,
+                kv_layout,
+                staged[tp],
+                names[tp],
+                reload_names[tp],
+                plan,
+                barrier,
+                results,
+            ),
         )
         for tp, r in ranks
     ]
@@ -134,9 +174,15 @@ def test_tp_1_2_4_write_identical_chunks_and_reload_every_shard() -> None:
             proc.start()
         try:
             barrier.wait(timeout=120)
-            written = {tp: bytes(region.view[:8]) for tp, region in regions.items()}
-            assert any(written[1]), "nothing was stored"
+            written = {tp: used(tp) for tp in regions}
+            assert any(any(chunk) for chunk in written[1]), "nothing was stored"
             assert written[1] == written[2] == written[4]
+            for tp, source in load_from.items():
+                for group, slots, _ in plan:
+                    for slot in slots:
+                        for a, b in layouts[tp].used_ranges(group):
+                            target = np.asarray(reloads[tp].view)
+                            target[slot, a:b] = np.asarray(regions[source].view)[slot, a:b]
             barrier.wait(timeout=120)
         except threading.BrokenBarrierError:
             pass  # a rank failed: its report says why
@@ -148,10 +194,10 @@ def test_tp_1_2_4_write_identical_chunks_and_reload_every_shard() -> None:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
-        for region in regions.values():
+        for region in [*regions.values(), *reloads.values()]:
             region.close()
     assert all(proc.exitcode == 0 for proc in procs)
-    assert not any(region.path.exists() for region in regions.values()), "regions left behind"
+    assert not any(r.path.exists() for r in [*regions.values(), *reloads.values()]), "left behind"
 
 
 def test_geometry_that_does_not_match_the_tensors_is_refused() -> None:
@@ -160,7 +206,7 @@ def test_geometry_that_does_not_match_the_tensors_is_refused() -> None:
     kv = kv_model.shard(geo, kv_model.full_tensors(geo), 1, 0, "NHD")
     host = torch.zeros((2, layout.chunk_bytes), dtype=torch.uint8)
     wrong_heads = dict(
-        kv, **{"attn.0": torch.zeros(kv_model.NUM_BLOCKS, 2, 4, 3, 8, dtype=torch.bfloat16)}
+        kv, **{"attn.0": torch.zeros(kv_model.NUM_BLOCKS, 3, 4, 16, dtype=torch.bfloat16)}
     )
     with pytest.raises(GeometryError, match=r"attn\.0: shape"):
         TransferEngine(layout, wrong_heads, host)
@@ -174,7 +220,7 @@ def test_geometry_that_does_not_match_the_tensors_is_refused() -> None:
     with pytest.raises(GeometryError, match="state bytes"):
         TransferEngine(layout, dict(kv, **{"mamba.0": torch.zeros(kv_model.NUM_BLOCKS, 100)}), host)
     with pytest.raises(GeometryError, match="kv_layout"):
-        TransferEngine(layout, kv, host, kv_layout="NCHW")
+        ChunkLayout(geo, kv_layout="NCHW")
     with pytest.raises(GeometryError, match="chunk is"):
         TransferEngine(layout, kv, torch.zeros((2, layout.chunk_bytes + 4096), dtype=torch.uint8))
     with pytest.raises(GeometryError, match="layer type 'linear'"):
@@ -200,7 +246,7 @@ def test_bad_jobs_are_refused_and_write_nothing() -> None:
             engine.submit_store(1, group, slots, blocks)
         with pytest.raises(ValueError):
             engine.submit_load(2, group, slots, blocks)
-    assert not host.any() and engine.get_finished() == []
+    assert bool((host == 0xA5).all()) and engine.get_finished() == []
     before = {k: v.clone() for k, v in kv.items()}
     engine.shutdown()
     assert all(kv_model.same_bytes(before[k], kv[k]) for k in kv)

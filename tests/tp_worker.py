@@ -42,21 +42,17 @@ def run_rank(
     torch.set_num_threads(1)
     try:
         geo = kv_model.geometry()
-        layout = ChunkLayout(geo)
+        layout = ChunkLayout(geo, tp, kv_layout)
         mine = kv_model.shard(geo, kv_model.full_tensors(geo), tp, rank, kv_layout)
         with HostRegion.attach(store_into, geo.fingerprint()) as region:
-            engine = TransferEngine(
-                layout, mine, host_tensor(region), tp, rank, kv_layout, staged=staged
-            )
+            engine = TransferEngine(layout, mine, host_tensor(region), rank, staged=staged)
             transfer_all(engine, plan, load=False)
             engine.shutdown()
             barrier.wait()  # every rank of every TP size has stored: the parent compares
             barrier.wait()
         with HostRegion.attach(load_from, geo.fingerprint()) as region:
             loaded = {name: torch.zeros_like(t) for name, t in mine.items()}
-            engine = TransferEngine(
-                layout, loaded, host_tensor(region), tp, rank, kv_layout, staged=staged
-            )
+            engine = TransferEngine(layout, loaded, host_tensor(region), rank, staged=staged)
             transfer_all(engine, plan, load=True)
             engine.shutdown()
         for group, _, blocks in plan:

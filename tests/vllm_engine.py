@@ -189,6 +189,7 @@ class Engine:
         self.root_dir = Path(root_dir)
         self.tp = tp
         self.layout = LAYOUTS.get(layout, layout)
+        self.layout_name = {v: k for k, v in LAYOUTS.items()}.get(self.layout, layout)
         self.blocks_per_chunk = blocks_per_chunk
         self.engine_id = f"kvfs-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         dtype = torch.bfloat16

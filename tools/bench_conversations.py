@@ -180,8 +180,11 @@ class SimEngine:
         group = GroupGeometry(
             LayerKind.FULL_ATTENTION, names, t, "bfloat16", profile.kv_heads, profile.head_dim
         )
-        shape = (device_blocks, 2, t, profile.kv_heads, profile.head_dim)
-        self.kv = {name: torch.zeros(shape, dtype=torch.bfloat16) for name in names}
+        # vLLM 0.33's packed view (blocks, heads, tokens, K|V), token-major in memory (NHD)
+        shape = (device_blocks, t, profile.kv_heads, 2 * profile.head_dim)
+        self.kv = {
+            name: torch.zeros(shape, dtype=torch.bfloat16).permute(0, 2, 1, 3) for name in names
+        }
         self.device = DeviceCache(device_blocks, 1)
         self.connector = (
             KVConnector(

@@ -54,16 +54,19 @@ def timed(device: torch.device, action: Callable[[], None]) -> float:
 
 def measure(chunk_mib: float, device: torch.device, tp: int, repeats: int, batch_mib: int) -> dict:
     geo = geometry(chunk_mib)
-    layout = ChunkLayout(geo)
+    layout = ChunkLayout(geo, tp)
     spec = geo.groups[0]
     share = layout.rank_share(0, tp, 0)
     chunks = max(1, batch_mib * MIB // layout.chunk_bytes)
     blocks = 2 * chunks  # stored from the first half, loaded into the second
     gen = torch.Generator(device=device).manual_seed(0)
+    # vLLM 0.33's packed view (blocks, heads, tokens, K|V), token-major in memory (NHD)
     kv = {
         name: torch.randn(
-            (blocks, 2, TOKENS, share.local_heads, HEAD), generator=gen, device=device
-        ).to(torch.bfloat16)
+            (blocks, TOKENS, share.local_heads, 2 * HEAD), generator=gen, device=device
+        )
+        .to(torch.bfloat16)
+        .permute(0, 2, 1, 3)
         for name in spec.layer_names
     }
     region = HostRegion.create(
@@ -71,7 +74,7 @@ def measure(chunk_mib: float, device: torch.device, tp: int, repeats: int, batch
     )
     host = host_tensor(region)
     pinned = pin(host)
-    engine = TransferEngine(layout, kv, host, tp, 0)
+    engine = TransferEngine(layout, kv, host, 0)
     moved = chunks * share.local_page_bytes * LAYERS
     slots = list(range(chunks))
     job = iter(range(1 << 30))
@@ -101,7 +104,7 @@ def measure(chunk_mib: float, device: torch.device, tp: int, repeats: int, batch
     identical = all(
         torch.equal(t[chunks:].view(torch.uint8), t[:chunks].view(torch.uint8)) for t in kv.values()
     )
-    first = kv[spec.layer_names[0]][0].permute(0, 2, 1, 3).contiguous().view(torch.uint8)
+    first = kv[spec.layer_names[0]][0].transpose(0, 1).contiguous().view(torch.uint8)
     page = host[0, : spec.page_bytes] if tp == 1 else None
     canonical = page is None or torch.equal(page, first.reshape(-1).cpu())
     engine.shutdown()

@@ -91,9 +91,10 @@ class TinyModel:
 
     def new_cache(self, num_blocks: int) -> dict[str, torch.Tensor]:
         s = self.shape
-        shape = (num_blocks, 2, s.tokens_per_block, s.kv_heads, s.head_size)
+        # vLLM 0.33's packed view, (blocks, kv heads, tokens, K|V), kept token-major (NHD)
+        shape = (num_blocks, s.tokens_per_block, s.kv_heads, 2 * s.head_size)
         return {
-            name: torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
+            name: torch.zeros(shape, dtype=torch.bfloat16, device=self.device).permute(0, 2, 1, 3)
             for name in self.layer_names
         }
 
@@ -129,11 +130,12 @@ class TinyModel:
             k = self._rope((h @ w["wk"]).view(n, s.kv_heads, s.head_size), positions)
             v = (h @ w["wv"]).view(n, s.kv_heads, s.head_size)
             layer = cache[name]
-            layer[table[-1], 0, :n] = k.to(torch.bfloat16)
-            layer[table[-1], 1, :n] = v.to(torch.bfloat16)
-            kv = layer[blocks].float()  # (blocks, 2, T, kv heads, head)
-            keys = kv[:, 0].reshape(-1, s.kv_heads, s.head_size)[: first + n]
-            values = kv[:, 1].reshape(-1, s.kv_heads, s.head_size)[: first + n]
+            d = s.head_size
+            layer[table[-1], :, :n, :d] = k.transpose(0, 1).to(torch.bfloat16)
+            layer[table[-1], :, :n, d:] = v.transpose(0, 1).to(torch.bfloat16)
+            kv = layer[blocks].transpose(1, 2).float()  # (blocks, T, kv heads, K|V)
+            keys = kv[..., :d].reshape(-1, s.kv_heads, d)[: first + n]
+            values = kv[..., d:].reshape(-1, s.kv_heads, d)[: first + n]
             repeat = s.heads // s.kv_heads
             keys = keys.repeat_interleave(repeat, dim=1).transpose(0, 1)
             values = values.repeat_interleave(repeat, dim=1).transpose(0, 1)
