@@ -1027,13 +1027,8 @@ class KernelSession:
             handler(req)
         except NeedsIO:
             return False
-        except pyfuse3.FUSEError as err:
-            self._fail(req, err.errno)
-        except OSError as err:
-            self._fail(req, err.errno or errno.EIO)
-        except Exception:
-            log.exception("%s failed: EIO for this request", _opname(req.opcode))
-            self._fail(req, errno.EIO)
+        except Exception as err:
+            self._fail_with(req, err)
         return True
 
     async def _serve(self, req: _Request, slots: trio.Semaphore) -> None:
@@ -1047,15 +1042,21 @@ class KernelSession:
             else:
                 try:
                     await handler(req)
-                except pyfuse3.FUSEError as err:
-                    self._fail(req, err.errno)
-                except OSError as err:
-                    self._fail(req, err.errno or errno.EIO)
-                except Exception:
-                    log.exception("%s failed: EIO for this request", _opname(req.opcode))
-                    self._fail(req, errno.EIO)
+                except Exception as err:
+                    self._fail_with(req, err)
         finally:
             slots.release()
+
+    def _fail_with(self, req: _Request, err: Exception) -> None:
+        """Answer what a handler raised: a FUSEError's or OSError's errno; anything else is a
+        bug, logged with its traceback (called in the except block), and EIO."""
+        if isinstance(err, pyfuse3.FUSEError):
+            self._fail(req, err.errno)
+        elif isinstance(err, OSError):
+            self._fail(req, err.errno or errno.EIO)
+        else:
+            log.exception("%s failed: EIO for this request", _opname(req.opcode))
+            self._fail(req, errno.EIO)
 
     def _turned_away(self, req: _Request) -> bool:
         return (
