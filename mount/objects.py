@@ -1134,12 +1134,18 @@ class Objects:
     def _gone(self, node: Node) -> Node:
         """Drop a file that another host evicted or unlinked from the index (caller holds the
         lock); returns its former parent, whose name for it the kernel must forget."""
+        parent = self._take_out(node)
+        self.counters.gone_elsewhere += 1
+        return parent
+
+    def _take_out(self, node: Node) -> Node:
+        """A published file's bytes left the backing store (the caller holds the lock): out of
+        the index, and the listener told. Returns its former parent."""
         parent = node.parent
         assert parent is not None
         node.on_backing = False
         self.listener.removed(node)
         self.index.detach(node)
-        self.counters.gone_elsewhere += 1
         return parent
 
     async def fall_through(self, parent: Node, name: bytes) -> Node | None:
@@ -1238,11 +1244,7 @@ class Objects:
             for alias_parent, alias_name in list(node.links):
                 self.index.unlink(alias_parent, alias_name)
                 self.listener.name_gone(alias_parent, alias_name, node)
-            parent = node.parent
-            assert parent is not None
-            node.on_backing = False
-            self.listener.removed(node)
-            self.index.detach(node)
+            parent = self._take_out(node)
             self.counters.quarantined += 1
             self.counters.quarantined_bytes += node.size
         log.error(
@@ -1276,13 +1278,9 @@ class Objects:
         async with self._ns:
             if not node.attached or self.busy(node):
                 return False
-            parent = node.parent
-            assert parent is not None
             with contextlib.suppress(FileNotFoundError):  # deleted around the mount
                 await self.io.read(self.store.unlink, self.index.path(node))
-            node.on_backing = False
-            self.listener.removed(node)
-            self.index.detach(node)
+            parent = self._take_out(node)
         log.debug("evicted inode %d (%s)", node.ino, reason)
         if wait_for_kernel:  # access() of the name must miss from now on
             await self.listener.name_gone_now(parent, node.name, node)
