@@ -223,10 +223,6 @@ class KvfsOperations(pyfuse3.Operations):
             return control.attrs(inode, self.cfg.cache_timeout)
         return self._attrs(self._node(inode))
 
-    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
-        self._node(inode)
-        return True  # permissions are checked by the kernel (default_permissions)
-
     async def mkdir(
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
