@@ -115,6 +115,14 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
         index.dirs,
         orphans + engine_temps,
     )
+    kind = sessions.filesystem_type(cfg.backing)
+    if kind.startswith("fuse"):  # sshfs and its kin answer flock in this host's kernel only
+        log.warning(
+            "backing directory on %s: its locks hold on this host only, so kvfs cannot refuse"
+            " a daemon on another host that serves it with the same --shared id, or without"
+            " --shared; give every host its own id and mount it --shared everywhere",
+            kind,
+        )
     try:
         # A percentage is of what the tier may have of the disk: what kvfs holds there already
         # and what is free (a shared disk's other data is not kvfs's to count on).

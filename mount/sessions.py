@@ -35,18 +35,29 @@ def filesystem_type(path: Path) -> str:
     return kind
 
 
+def may_hang(kind: str) -> bool:
+    """Whether reads of a filesystem of type ``kind`` can stall on a server or a daemon. A
+    FUSE filesystem that does not pass through itself (sshfs) has stack depth 0: the kernel
+    accepts its files as passthrough backing files, and such a read would hang in the kernel."""
+    return kind in NETWORK_FILESYSTEMS or kind.startswith("fuse")
+
+
 def choose(cfg: MountConfig) -> tuple[FuseSession, str]:
     """The session for ``cfg``, and why (for the log)."""
     if cfg.session == "pyfuse3":
         return pyfuse3, "asked for"
     if cfg.session == "kernel":
+        kind = filesystem_type(cfg.backing)
+        if may_hang(kind):  # the kernel would take an sshfs or NFS file as a backing file
+            why = f"asked for; backing store on {kind}: no passthrough, reads keep the deadline"
+            return KernelSession(passthrough=False), why
         return KernelSession(), "asked for"
     if cfg.verify == "every-read":
         return pyfuse3, "--verify every-read: the daemon serves every read, none passes through"
     if os.geteuid() != 0:
         return pyfuse3, "not root: a /dev/fuse mount and passthrough need CAP_SYS_ADMIN"
     kind = filesystem_type(cfg.backing)
-    if kind in NETWORK_FILESYSTEMS or kind.startswith("fuse"):
+    if may_hang(kind):
         return pyfuse3, f"backing store on {kind}: a passthrough read could hang past any deadline"
     return KernelSession(), f"root, backing store on {kind}"
 

@@ -1,0 +1,317 @@
+"""Two hosts sharing one directory over a real network filesystem: an sshd on 127.0.0.1
+serves it, each host mounts it with sshfs of its own (its own SSH connection, FUSE superblock
+and caches), and each host's kvfs daemon (``--shared a`` / ``--shared b``) uses its sshfs
+mount as the backing directory. What holds over sshfs and what does not:
+docs/research/fleet-design.md, "Real shared filesystems"."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvfs.config import daemon_log
+from tests.conftest import SESSION_OPTIONS, Mount, kvfs
+from tests.sshfs import SHARED_OPTIONS, SshServer, Unavailable, listening_addresses, shared_sshfs
+from tests.test_shared import counters, write
+
+HOSTS = ("a", "b")
+
+
+class Share:
+    """The sshd, the served directory, each host's sshfs mount and kvfs mount."""
+
+    def __init__(self, server: SshServer, served: Path, sshfs: dict[str, Path], tmp: Path):
+        self.server, self.served, self.sshfs, self.tmp = server, served, sshfs, tmp
+        self.kvfs: dict[str, Mount] = {}
+
+    def mount(self, host: str, sshfs_of: str, *options: str) -> Mount:
+        (self.tmp / host).mkdir()
+        return Mount(self.tmp / host, self.sshfs[sshfs_of], (*options, "--shared", host))
+
+
+@pytest.fixture(scope="module")
+def share(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Share]:
+    tmp = tmp_path_factory.mktemp("sshfs")
+    try:
+        with shared_sshfs(tmp, HOSTS) as (server, served, sshfs):
+            share = Share(server, served, sshfs, tmp)
+            try:
+                for host in HOSTS:
+                    share.kvfs[host] = share.mount(host, host, *SESSION_OPTIONS).start()
+                yield share
+            finally:
+                for mount in reversed(share.kvfs.values()):
+                    mount.stop()
+    except Unavailable as why:
+        pytest.skip(f"no sshfs share here: {why}")
+
+
+@pytest.fixture(scope="module")
+def hosts(share: Share) -> tuple[Mount, Mount]:
+    return share.kvfs["a"], share.kvfs["b"]
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll ``condition`` (a callable) until true; the seconds it took. Generous deadlines:
+    the bound under test is asserted separately where it matters."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, f"{what}: not within {timeout} s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+# -- the server: loopback only, keys only -----------------------------------------------------
+
+
+def test_the_sshd_listens_on_loopback_only_and_takes_no_passwords(share: Share) -> None:
+    assert listening_addresses(share.server.port) == {"0100007F"}  # 127.0.0.1, nothing else
+    ssh = [
+        "ssh",
+        "-F",
+        "/dev/null",
+        "-p",
+        str(share.server.port),
+        "-o",
+        f"UserKnownHostsFile={share.server.home / 'known_hosts'}",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "PubkeyAuthentication=no",  # no key: what is left to try is refused
+        "root@127.0.0.1",
+        "true",
+    ]
+    done = subprocess.run(ssh, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 255
+    assert "Permission denied (publickey)" in done.stderr  # publickey is all it offers
+
+
+# -- what sshfs itself offers, measured on two hosts' sshfs mounts ----------------------------
+
+
+def test_sshfs_has_hard_links_and_atomic_rename_but_no_xattrs(share: Share) -> None:
+    a, b = share.sshfs["a"], share.sshfs["b"]
+    (a / "probe").mkdir()
+    (a / "probe" / "one").write_bytes(b"one")
+    os.link(a / "probe" / "one", a / "probe" / "linked")  # hardlink@openssh.com
+    with pytest.raises(FileExistsError):  # link() never replaces: kvfs's publish
+        os.link(a / "probe" / "one", b / "probe" / "linked")
+    assert (b / "probe" / "linked").read_bytes() == b"one"
+    (b / "probe" / "two").write_bytes(b"two")
+    os.rename(b / "probe" / "two", b / "probe" / "one")  # posix-rename@openssh.com: replaces
+    assert (a / "probe" / "one").read_bytes() == b"two"
+    assert (a / "probe" / "linked").read_bytes() == b"one"
+    for call in (
+        lambda: os.setxattr(a / "probe" / "one", "user.kvfs.checksum", b"x"),
+        lambda: os.getxattr(a / "probe" / "one", "user.kvfs.checksum"),
+    ):
+        with pytest.raises(OSError) as err:
+            call()
+        assert err.value.errno == errno.EOPNOTSUPP
+
+
+def test_flock_excludes_within_one_sshfs_mount_but_not_across_two(share: Share) -> None:
+    a, b = share.sshfs["a"], share.sshfs["b"]
+    (a / "lockfile").write_bytes(b"")
+    with open(a / "lockfile") as one, open(a / "lockfile") as same, open(b / "lockfile") as other:
+        fcntl.flock(one, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(same, fcntl.LOCK_EX | fcntl.LOCK_NB)  # one host: excluded
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another host: granted as well
+
+
+def test_appends_from_two_hosts_keep_every_line_whole(share: Share) -> None:
+    """O_APPEND reaches the server (SSH_FXF_APPEND): the journals' one write per batch."""
+    lines = 200
+
+    def append(sshfs: Path, tag: str) -> None:
+        fd = os.open(sshfs / "journal.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            for i in range(lines):
+                os.write(fd, f"{tag} {i:05d} {'x' * 100}\n".encode())
+        finally:
+            os.close(fd)
+
+    writers = [threading.Thread(target=append, args=(share.sshfs[h], h)) for h in HOSTS]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    got = (share.served / "journal.log").read_text().splitlines()
+    assert sorted(got) == sorted(f"{h} {i:05d} {'x' * 100}" for h in HOSTS for i in range(lines))
+
+
+# -- kvfs's shared promises over sshfs --------------------------------------------------------
+
+
+def test_a_chunk_published_by_one_host_is_a_byte_exact_hit_on_the_other(
+    hosts: tuple[Mount, Mount],
+) -> None:
+    a, b = hosts
+    data = os.urandom((1 << 20) + 123)
+    write(a, "hit/layer0/c1.bin", data)
+    before = counters(b)["fell_through"]
+    assert (b.path / "hit/layer0/c1.bin").read_bytes() == data
+    assert counters(b)["fell_through"] == before + 3  # hit, hit/layer0, the chunk
+
+
+def test_another_hosts_publish_is_found_once_the_miss_lapses(
+    hosts: tuple[Mount, Mount],
+) -> None:
+    a, b = hosts
+    write(a, "late/x.bin", b"first")
+    late = b.path / "late" / "y.bin"
+    assert not late.exists()  # a negative entry in b's kernel, for MISS_TIMEOUT (1 s)
+    write(a, "late/y.bin", b"published meanwhile")
+    wait_until(late.exists, 30, "another host's publish")  # 1 s here, unloaded
+    assert late.read_bytes() == b"published meanwhile"
+
+
+def test_a_chunk_another_host_removed_is_a_miss_never_eio(hosts: tuple[Mount, Mount]) -> None:
+    a, b = hosts
+    for name in ("gone/u.bin", "gone/e.bin"):
+        write(a, name, os.urandom(8192))
+        assert (b.path / name).read_bytes() == (a.path / name).read_bytes()  # b indexed it
+    before = counters(b)["gone_elsewhere"]
+    (a.path / "gone/u.bin").unlink()
+    kvfs("evict", str(a.path), "--namespace", "gone")
+    for name in ("gone/u.bin", "gone/e.bin"):
+        with pytest.raises(FileNotFoundError):
+            (b.path / name).read_bytes()
+        assert not (b.path / name).exists()
+    assert counters(b)["gone_elsewhere"] == before + 2
+
+
+def test_sshfs_caches_add_no_lateness_to_a_removal(share: Share, hosts: tuple[Mount, Mount]) -> None:
+    """With SHARED_OPTIONS every stat kvfs makes reaches the server: a name b's sshfs has
+    just seen and a then removed is a miss on b at once (with sshfs's defaults b would find
+    the removed file for up to 20 s, each open of it then a miss)."""
+    a, b = hosts
+    names = [f"seen/{i}.bin" for i in range(20)]
+    for name in names:
+        write(a, name, b"soon gone")
+    for name in names:
+        os.stat(share.sshfs["b"] / name)  # b's sshfs has its attributes now
+        (a.path / name).unlink()
+    assert [name for name in names if (b.path / name).exists()] == []
+
+
+def test_one_name_published_by_both_hosts_keeps_one_whole_file(
+    hosts: tuple[Mount, Mount],
+) -> None:
+    a, b = hosts
+    (a.path / "race").mkdir()
+    ours, theirs = os.urandom(300_000), os.urandom(200_000)
+    before = counters(b)["publish_conflicts"]
+    for name, b_bytes in (("same.bin", ours), ("other.bin", theirs)):
+        with open(a.path / "race" / name, "wb") as fa, open(b.path / "race" / name, "wb") as fb:
+            fa.write(ours)
+            fb.write(b_bytes)
+            fa.close()
+            a.settle()  # a publishes first; b's link() then finds the name taken
+        b.settle()
+        assert (a.backing / "race" / name).read_bytes() == ours
+        assert (b.path / "race" / name).read_bytes() == ours
+        assert (a.path / "race" / name).read_bytes() == ours
+    assert counters(b)["publish_conflicts"] == before + 1  # the same bytes are no conflict
+    assert counters(a)["publish_conflicts"] == 0
+    assert "publish" in daemon_log(b.path).read_text()
+
+
+def test_a_rename_onto_a_name_another_host_took_keeps_theirs(hosts: tuple[Mount, Mount]) -> None:
+    a, b = hosts
+    write(a, "ren/seen.bin", b"x")
+    write(b, "ren/tmp.part", b"b's other bytes")
+    before = counters(b)["publish_conflicts"]
+    final = b.path / "ren" / "final.bin"
+    write(a, "ren/final.bin", b"a's bytes")
+    os.rename(b.path / "ren" / "tmp.part", final)
+    assert final.read_bytes() == b"a's bytes"
+    assert (a.backing / "ren" / "final.bin").read_bytes() == b"a's bytes"
+    assert counters(b)["publish_conflicts"] == before + 1
+
+
+# -- what does not hold over sshfs, as documented ---------------------------------------------
+
+
+def test_no_xattrs_checksums_stay_in_memory_and_another_host_cannot_verify(
+    share: Share, hosts: tuple[Mount, Mount]
+) -> None:
+    """sshfs has no xattrs: each daemon keeps the checksums of its own publishes in memory
+    only (logged once), so a file changed on the server after a's publish is served by b,
+    which has nothing to check it against (documented as lost over sshfs)."""
+    a, b = hosts
+    data = os.urandom(64 * 1024)
+    write(a, "nosum/c.bin", data)
+    assert "has no user xattrs: checksums are kept in memory only" in daemon_log(
+        a.path
+    ).read_text()
+    bad = bytearray(data)
+    bad[1000] ^= 0xFF
+    with open(share.served / "nosum" / "c.bin", "r+b") as f:  # on the server, same size
+        f.write(bad)
+    assert (b.path / "nosum" / "c.bin").read_bytes() == bytes(bad)
+    assert counters(b)["quarantined"] == 0
+
+
+def test_a_pin_is_refused_where_the_share_has_no_xattrs(hosts: tuple[Mount, Mount]) -> None:
+    a, _ = hosts
+    write(a, "pin/c.bin", b"p" * 4096)
+    with pytest.raises(OSError) as err:
+        os.setxattr(a.path / "pin" / "c.bin", "user.kvfs.pin", b"1")
+    assert err.value.errno == errno.EOPNOTSUPP
+
+
+def test_one_host_id_on_two_hosts_is_not_refused_over_sshfs(share: Share) -> None:
+    """flock on sshfs holds within one sshfs mount only: the same host id is refused on one
+    host, not across two (documented; the daemon logs a warning on a FUSE backing)."""
+    twice = share.mount("c", "a", *SESSION_OPTIONS)
+    same_host = share.tmp / "c-again"
+    same_host.mkdir()
+    elsewhere = share.mount("c-elsewhere", "b", *SESSION_OPTIONS)
+    elsewhere.options = (*SESSION_OPTIONS, "--shared", "c")
+    try:
+        twice.start()
+        again = kvfs("mount", str(same_host), "--backing", str(twice.backing), "--shared", "c",
+                     check=False)
+        assert again.returncode != 0 and "served as host c by another kvfs daemon" in again.stderr
+        elsewhere.start()  # not refused: the lock on a's sshfs mount is not seen through b's
+        assert "its locks hold on this host only" in daemon_log(twice.path).read_text()
+    finally:
+        elsewhere.stop()
+        twice.stop()
+
+
+def test_sessions_over_sshfs_serve_every_read(share: Share) -> None:
+    """A FUSE backing store gets no passthrough (the kernel would take an sshfs file as a
+    backing file, and a hung server would then hang the read past any deadline): ``auto``
+    picks pyfuse3 there even for ``--verify first-read``; an explicit kernel session does not
+    ask for passthrough and serves the reads itself."""
+    a = share.kvfs["a"]
+    write(a, "sess/c.bin", b"s" * 8192)
+    auto = share.mount("auto", "b", "--session", "auto", "--verify", "first-read")
+    kernel = share.mount("kern", "b", "--session", "kernel", "--verify", "first-read")
+    try:
+        auto.start()
+        assert "session: pyfuse3 (backing store on fuse.sshfs" in daemon_log(auto.path).read_text()
+        kernel.start()
+        for _ in range(2):
+            assert (kernel.path / "sess" / "c.bin").read_bytes() == b"s" * 8192
+        usage = json.loads((kernel.path / ".kvfs" / "usage.json").read_bytes())["session"]
+        assert usage["name"] == "kernel" and not usage["passthrough"]
+        assert usage["passthrough_opens"] == 0
+        assert "backing store on fuse.sshfs: no passthrough" in daemon_log(kernel.path).read_text()
+        assert usage["served_opens"] >= 2
+    finally:
+        kernel.stop()
+        auto.stop()
+
