@@ -27,10 +27,26 @@ def of_file(fd: int) -> tuple[str, int]:
     size = os.fstat(fd).st_size
     if size == 0:
         return checksum(b""), 0
-    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
+    try:
+        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    except OSError as err:
+        if err.errno != errno.ENODEV:
+            raise
+        return _of_file_read(fd)  # a filesystem that maps nothing (sshfs -o direct_io)
+    with mapped:
         mapped.madvise(mmap.MADV_SEQUENTIAL)
         with memoryview(mapped) as view:
             return checksum(view), size
+
+
+def _of_file_read(fd: int, block: int = 1 << 20) -> tuple[str, int]:
+    """``of_file`` by reading, to the end of the file."""
+    digest = xxhash.xxh3_64()
+    size = 0
+    while chunk := os.pread(fd, block, size):
+        digest.update(chunk)
+        size += len(chunk)
+    return PREFIX + digest.hexdigest(), size
 
 
 _buffers = threading.local()  # each I/O thread's aligned read buffer, made once

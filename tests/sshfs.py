@@ -30,8 +30,8 @@ from kvfs import mountctl
 #   by default), so every stat kvfs makes of the backing directory asks the server, and the
 #   miss bound is kvfs's own (MISS_TIMEOUT) with nothing added; negative_timeout=0 is
 #   libfuse's default, kept explicit: a miss is never cached below kvfs;
-# - direct_io: every write() reaches the server as one SFTP write (under its 32 KiB limit).
-#   Through the page cache the kernel splits a write at a 4 KiB page boundary, and another
+# - direct_io: a write() of up to sshfs's write size (32 KiB) reaches the server as one SFTP
+#   write. Through the page cache the kernel splits a write at a 4 KiB page boundary, and another
 #   host's O_APPEND write can land between the halves (a torn journal line). kvfs keeps its
 #   own page cache above, so nothing measurable is lost.
 SHARED_OPTIONS = (
@@ -143,7 +143,9 @@ class SshServer:
             "LogLevel ERROR\n"
         )
         host_key = (self.home / "host_key.pub").read_text().split()
-        (self.home / "known_hosts").write_text(f"[127.0.0.1]:{self.port} {' '.join(host_key[:2])}\n")
+        (self.home / "known_hosts").write_text(
+            f"[127.0.0.1]:{self.port} {' '.join(host_key[:2])}\n"
+        )
         cfg = str(self.home / "sshd_config")
         check = subprocess.run([sshd, "-t", "-f", cfg], capture_output=True, text=True, timeout=30)
         if check.returncode != 0:
