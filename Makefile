@@ -31,10 +31,15 @@ lint: $(VENV)/.test
 	$(VENV)/bin/ruff format --check kvfs mount connector tests tools
 	$(VENV)/bin/mypy
 
+# openssh-server and sshfs are for tests/test_shared_sshfs.py, which starts an sshd of its own on
+# 127.0.0.1: a machine that had no sshd gets none started, now or at boot (Debian's
+# /etc/ssh/sshd_not_to_be_run; remove that file to run the system's sshd).
 apt:
 	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 		echo "installing $$missing"; \
+		case " $$(echo $$missing) " in *" openssh-server "*) \
+			mkdir -p /etc/ssh && touch /etc/ssh/sshd_not_to_be_run;; esac; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
