@@ -209,6 +209,7 @@ class P2PTier(SecondaryTier):
         self._finished: list[JobResult] = []
         self._unpin: list[bytes] = []  # pins to release once host access is at hand
         self._closed = False
+        self._closing = False
         self._poll()
 
     @classmethod
@@ -287,7 +288,8 @@ class P2PTier(SecondaryTier):
         if peer.dead is not None:
             return
         peer.dead = reason
-        (log.error if refused else log.warning)("p2p %s: peer %s: %s", self.local_id, peer.id, reason)
+        level = logging.ERROR if refused else logging.INFO if self._closing else logging.WARNING
+        log.log(level, "p2p %s: peer %s: %s", self.local_id, peer.id, reason)
         if refused:
             self._count("refused")
         elif peer.ready or peer.registered:
@@ -780,6 +782,7 @@ class P2PTier(SecondaryTier):
     def shutdown(self) -> None:
         if self._closed:
             return
+        self._closing = True
         for peer in list(self._peers.values()):
             self._kill(peer, "shutting down")
         deadline = time.monotonic() + 3.0
