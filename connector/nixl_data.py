@@ -50,6 +50,7 @@ class NixlData:
         self, host_view: memoryview, backends: list[str] | None = None, num_threads: int = 0
     ) -> None:
         api = load_nixl()
+        assert host_view.shape is not None and host_view.strides is not None
         self.num_rows = host_view.shape[0]
         self.row_bytes = host_view.strides[0]
         self.name = f"kvfs-{uuid.uuid4()}"
@@ -66,7 +67,9 @@ class NixlData:
         self._tensor = torch.frombuffer(host_view.cast("B"), dtype=torch.uint8)
         self.base_addr = self._tensor.data_ptr()
         self._reg = self._agent.register_memory(self._tensor)
-        rows = [(self.base_addr + i * self.row_bytes, self.row_bytes, 0) for i in range(self.num_rows)]
+        rows = [
+            (self.base_addr + i * self.row_bytes, self.row_bytes, 0) for i in range(self.num_rows)
+        ]
         self._local = self._agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", self._agent.get_xfer_descs(rows, mem_type="DRAM")
         )
@@ -103,7 +106,10 @@ class NixlData:
         if entry is None:
             return
         name, handle, _ = entry
-        for call, arg in ((self._agent.release_dlist_handle, handle), (self._agent.remove_remote_agent, name)):
+        for call, arg in (
+            (self._agent.release_dlist_handle, handle),
+            (self._agent.remove_remote_agent, name),
+        ):
             try:
                 call(arg)
             except Exception as err:
@@ -111,7 +117,7 @@ class NixlData:
 
     def write(self, peer: str, local_rows: list[int], remote_rows: list[int]) -> int:
         """Start writing our rows into the peer's rows; a transfer id for :meth:`poll`."""
-        name, remote, _ = self._peers[peer]
+        _, remote, _ = self._peers[peer]
         handle = self._agent.make_prepped_xfer(
             "WRITE",
             self._local,
@@ -131,7 +137,8 @@ class NixlData:
 
     def poll(self) -> tuple[list[int], list[int]]:
         """Transfers finished since the last poll: (done, failed)."""
-        done, failed = [], []
+        done: list[int] = []
+        failed: list[int] = []
         for transfer, (_, handle) in list(self._inflight.items()):
             try:
                 state = self._agent.check_xfer_state(handle)

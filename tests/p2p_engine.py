@@ -174,6 +174,7 @@ class VllmPeer:
 
     def __init__(self, port: int, model: str = MODEL, slots: int = SLOTS) -> None:
         alias_nixl()
+        from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import init_none_hash
         from vllm.v1.kv_offload.base import (
             LookupResult,
@@ -185,7 +186,6 @@ class VllmPeer:
         from vllm.v1.kv_offload.tiering.p2p.manager import P2PSecondaryTierManager
 
         from tests.vllm_tier import minimal_spec
-        from vllm.utils.hashing import sha256
 
         init_none_hash(sha256)
         self.id = f"127.0.0.1:{port}"
@@ -260,7 +260,12 @@ class VllmPeer:
         raise AssertionError("vLLM lookups still RETRY")
 
     def load(
-        self, keys: Sequence[bytes], rows: Sequence[int], ctx: Any, *others: Any, timeout: float = 30
+        self,
+        keys: Sequence[bytes],
+        rows: Sequence[int],
+        ctx: Any,
+        *others: Any,
+        timeout: float = 30,
     ) -> Any:
         from vllm.v1.kv_offload.tiering.base import TransferJob
 

@@ -59,10 +59,18 @@ def test_two_connectors_exchange_chunks_byte_exact() -> None:
     from tests.test_tiering import BPC, Harness
 
     pa, pb = free_port(), free_port()
-    a = Harness({"cpu_bytes_to_use": 8 << 20, "secondary_tiers": [
-        {"type": "p2p", "port": pa, "peers": [f"127.0.0.1:{pb}"]}]})
-    b = Harness({"cpu_bytes_to_use": 8 << 20, "secondary_tiers": [
-        {"type": "p2p", "port": pb, "peers": [f"127.0.0.1:{pa}"]}]})
+    a = Harness(
+        {
+            "cpu_bytes_to_use": 8 << 20,
+            "secondary_tiers": [{"type": "p2p", "port": pa, "peers": [f"127.0.0.1:{pb}"]}],
+        }
+    )
+    b = Harness(
+        {
+            "cpu_bytes_to_use": 8 << 20,
+            "secondary_tiers": [{"type": "p2p", "port": pb, "peers": [f"127.0.0.1:{pa}"]}],
+        }
+    )
     try:
         for tensor in b.kv.values():
             tensor.zero_()
@@ -96,9 +104,7 @@ def test_two_connectors_exchange_chunks_byte_exact() -> None:
         assert a.conn.manager.host.busy_slots == 0, "the serving side keeps pins"
         assert b.conn.manager.host.busy_slots == 0
         registry = b.conn.metrics.registry
-        assert registry.get_sample_value(
-            "kvfs_connector_chunks_served_total", {"tier": "p2p"}
-        ) == 4
+        assert registry.get_sample_value("kvfs_connector_chunks_served_total", {"tier": "p2p"}) == 4
         assert registry.get_sample_value("kvfs_tier_p2p_fetched_total", {"tier": "p2p"}) == 4
         assert registry.get_sample_value("kvfs_tier_p2p_peers", {"tier": "p2p"}) == 1
         served = a.conn.metrics.registry.get_sample_value(
@@ -329,16 +335,23 @@ def test_malformed_and_hostile_messages_are_dropped_and_counted(engines: Any) ->
         msgpack.packb({"type": "lookup", "kv_request_id": 5, "keys": "x", "round_seq": -1}),
         msgpack.packb({**lookup, "keys": [b"k" * 36] * (proto.MAX_KEYS + 1)}),
         msgpack.packb(lookup),  # well formed, from an engine that never said connect
-        msgpack.packb({"type": "connect", "peer_id": "x", "agent_metadata": "str",
-                       "base_addr": 0, "num_blocks": 1, "block_len": "big", "hash_seed": "s"}),
+        msgpack.packb(
+            {
+                "type": "connect",
+                "peer_id": "x",
+                "agent_metadata": "str",
+                "base_addr": 0,
+                "num_blocks": 1,
+                "block_len": "big",
+                "hash_seed": "s",
+            }
+        ),
     ]
     for message in hostile:
         stranger.send(message)
     stranger.dealer.send_multipart([b"two", b"frames"])
     bad_identity = Hostile(a.id, identity="not an address")
-    bad_identity.send(
-        proto.connect("x", b"meta", 0, 1, ROW, a.tier.fingerprint, a.tier.hash_seed)
-    )
+    bad_identity.send(proto.connect("x", b"meta", 0, 1, ROW, a.tier.fingerprint, a.tier.hash_seed))
     expected = len(hostile) + 2
     deadline = time.monotonic() + 30
     while a.metric("malformed") < expected:
@@ -353,25 +366,56 @@ def test_malformed_and_hostile_messages_are_dropped_and_counted(engines: Any) ->
     data = NixlData(region.view)
     rogue = Hostile(a.id)
     try:
-        rogue.send(proto.encode(proto.connect(
-            rogue.id, data.metadata, data.base_addr, 4, ROW, a.tier.fingerprint, a.tier.hash_seed
-        )))
+        rogue.send(
+            proto.encode(
+                proto.connect(
+                    rogue.id,
+                    data.metadata,
+                    data.base_addr,
+                    4,
+                    ROW,
+                    a.tier.fingerprint,
+                    a.tier.hash_seed,
+                )
+            )
+        )
         rogue.receive(a, "connect_ack")
         keys = list(held)
         # a fetch of keys it never looked up, then rows outside its region: nothing written
-        rogue.send(proto.encode({"type": "fetch", "kv_request_id": "r", "keys": keys[:1],
-                                 "block_indexes": [0], "round_seq": 0}))
+        rogue.send(
+            proto.encode(
+                {
+                    "type": "fetch",
+                    "kv_request_id": "r",
+                    "keys": keys[:1],
+                    "block_indexes": [0],
+                    "round_seq": 0,
+                }
+            )
+        )
         assert rogue.receive(a, "transfer_done")["success"] is False
         rogue.send(proto.encode({**lookup, "kv_request_id": "r2", "keys": keys[:1]}))
         assert rogue.receive(a, "lookup_resp")["hits"] == [True]
-        rogue.send(proto.encode({"type": "fetch", "kv_request_id": "r2", "keys": keys[:1],
-                                 "block_indexes": [99], "round_seq": 0}))
+        rogue.send(
+            proto.encode(
+                {
+                    "type": "fetch",
+                    "kv_request_id": "r2",
+                    "keys": keys[:1],
+                    "block_indexes": [99],
+                    "round_seq": 0,
+                }
+            )
+        )
         assert rogue.receive(a, "transfer_done")["success"] is False
         assert not region.array.any(), "a refused fetch wrote into the asker's memory"
         # wrong types from a connected peer: it is disconnected
         before = a.metric("malformed")
-        rogue.send(msgpack.packb({"type": "lookup_resp", "kv_request_id": "r", "keys": [1],
-                                  "hits": ["yes"]}))
+        rogue.send(
+            msgpack.packb(
+                {"type": "lookup_resp", "kv_request_id": "r", "keys": [1], "hits": ["yes"]}
+            )
+        )
         rogue.receive(a, "disconnect")
         assert a.metric("malformed") == before + 1
         for _ in range(10):

@@ -52,9 +52,12 @@ def test_kvfs_fetches_from_vllm(made: list[Any]) -> None:
     found, _ = kvfs.ask(keys, "r1", vllm)
     assert found.hits == 4
     assert kvfs.read(keys) == list(held.values())
-    assert kvfs.manager.metrics.registry.get_sample_value(
-        "kvfs_connector_chunks_served_total", {"tier": "p2p"}
-    ) == 4
+    assert (
+        kvfs.manager.metrics.registry.get_sample_value(
+            "kvfs_connector_chunks_served_total", {"tier": "p2p"}
+        )
+        == 4
+    )
     # a key vLLM does not hold is a miss; the request's end releases vLLM's pins
     found, _ = kvfs.ask(list(chunks(12, 1)), "r2", vllm)
     assert found.hits == 0

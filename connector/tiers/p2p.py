@@ -33,6 +33,7 @@ often as it steps.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -294,10 +295,9 @@ class P2PTier(SecondaryTier):
             self._count("refused")
         elif peer.ready or peer.registered:
             self._count("peers_lost")
-        try:  # tell it why we go (a refused peer learns it at once, not by its timeout)
+        # Tell it why we go (a refused peer learns it at once, not by its own timeout).
+        with contextlib.suppress(zmq.ZMQError):
             peer.dealer.send(proto.encode({proto.TYPE: proto.DISCONNECT}), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
         self._retry_at[peer.id] = time.monotonic() + (
             self.refused_retry_s if refused else self.reconnect_s
         )
@@ -330,7 +330,11 @@ class P2PTier(SecondaryTier):
         for peer in list(self._peers.values()):
             if peer.dead is None:
                 self._check_monitor(peer)
-            if peer.dead is None and not peer.ready and now - peer.opened > self.handshake_timeout_s:
+            if (
+                peer.dead is None
+                and not peer.ready
+                and now - peer.opened > self.handshake_timeout_s
+            ):
                 self._kill(peer, f"no handshake within {self.handshake_timeout_s:g}s")
         self._poll_transfers()
         self._check_fetch_deadlines(now)
@@ -502,9 +506,7 @@ class P2PTier(SecondaryTier):
         self._count("lookup_misses")
         return LookupResult.MISS
 
-    def _on_lookup_resp(
-        self, peer: _Peer, kv_id: str, keys: list[bytes], hits: list[bool]
-    ) -> None:
+    def _on_lookup_resp(self, peer: _Peer, kv_id: str, keys: list[bytes], hits: list[bool]) -> None:
         probe = peer.probes.get(kv_id)
         if probe is None:
             return  # a request that finished meanwhile
@@ -682,9 +684,9 @@ class P2PTier(SecondaryTier):
         self, peer: _Peer, kv_id: str, keys: list[bytes], rows: list[int], round_seq: int
     ) -> None:
         if not keys:  # the asker's request ended: release every round not being written
-            for (kid, rnd), supply in list(peer.supply.items()):
-                if kid == kv_id and supply.transfer is None:
-                    self._unpin.extend(supply.slots)
+            for (kid, rnd), held in list(peer.supply.items()):
+                if kid == kv_id and held.transfer is None:
+                    self._unpin.extend(held.slots)
                     del peer.supply[(kid, rnd)]
             return
         supply = peer.supply.get((kv_id, round_seq))
