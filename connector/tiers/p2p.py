@@ -204,7 +204,6 @@ class P2PTier(SecondaryTier):
         self._retry_at: dict[str, float] = {}  # peer -> when it may be dialled again
         self._monitors = 0
         self._host: HostAccess | None = None
-        self._requests: dict[str, str] = {}  # kv_request_id -> request_id (ours)
         self._fetches: dict[tuple[str, str, int], _Fetch] = {}
         self._loads: dict[int, _Load] = {}
         self._finished: list[JobResult] = []
@@ -469,9 +468,8 @@ class P2PTier(SecondaryTier):
     # -- asking -----------------------------------------------------------------------------
 
     def _kv_id(self, request_id: str) -> str:
-        kv_id = f"{request_id}@{self.local_id}"
-        self._requests[kv_id] = request_id
-        return kv_id
+        """The request's id on the wire: unique among the engines that ask one server."""
+        return f"{request_id}@{self.local_id}"
 
     def _ready_peers(self) -> list[_Peer]:
         return [p for p in self._peers.values() if p.ready and p.dead is None]
@@ -632,8 +630,7 @@ class P2PTier(SecondaryTier):
         return finished
 
     def on_request_finished(self, request_id: str) -> None:
-        kv_id = f"{request_id}@{self.local_id}"
-        self._requests.pop(kv_id, None)
+        kv_id = self._kv_id(request_id)
         for peer in self._peers.values():
             probe = peer.probes.pop(kv_id, None)
             if probe is not None and probe.open and peer.ready:
