@@ -220,7 +220,8 @@ def test_a_stopped_then_killed_peer_costs_at_most_the_lookup_timeout(
     engines: Any, peer_process: Any
 ) -> None:
     mine, theirs = free_port(), free_port()
-    engine = engines(mine, [f"127.0.0.1:{theirs}"], lookup_timeout_s=TIMEOUT)
+    # heartbeats slow enough that only the lookup timeout can end the stopped peer's lookups
+    engine = engines(mine, [f"127.0.0.1:{theirs}"], lookup_timeout_s=TIMEOUT, heartbeat_s=3.0)
     proc = peer_process(theirs, f"127.0.0.1:{mine}", 5, 8)
     held = chunks(5, 8)
     keys = list(held)
@@ -254,6 +255,16 @@ def test_a_stopped_then_killed_peer_costs_at_most_the_lookup_timeout(
     found, seconds = engine.ask(keys[6:], "r4")  # no peer: an immediate miss
     assert found.hits == 0 and seconds < 1
     assert engine.manager.host.busy_slots == 0
+
+    # The peer comes back (a new process on the same port): the session is made again.
+    peer_process(theirs, f"127.0.0.1:{mine}", 5, 8)
+    deadline = time.monotonic() + 60
+    while not engine.tier._ready_peers():
+        assert time.monotonic() < deadline, "no handshake with the restarted peer"
+        engine.step()
+        time.sleep(0.01)
+    found, _ = engine.ask(keys[6:], "r5")
+    assert found.hits == 2 and engine.read(keys[6:]) == [held[k] for k in keys[6:]]
 
 
 def test_a_peer_that_stops_mid_fetch_fails_the_load_and_frees_the_slots(
