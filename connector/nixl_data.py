@@ -152,6 +152,13 @@ class NixlData:
             (done if state == "DONE" else failed).append(transfer)
         return done, failed
 
+    def forget(self, peer: str) -> None:
+        """Release the handles of the peer's writes that never ended (the peer is gone)."""
+        for transfer, (owner, handle) in list(self._inflight.items()):
+            if owner == peer:
+                del self._inflight[transfer]
+                self._release(handle)
+
     def inflight(self, peer: str | None = None) -> int:
         return sum(1 for p, _ in self._inflight.values() if peer is None or p == peer)
 

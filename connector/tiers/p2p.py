@@ -125,6 +125,7 @@ class _Peer:
     registered: bool = False  # we registered its memory: we may write to it
     ready: bool = False  # it acked our connect: we may send it requests
     dead: str | None = None
+    dead_at: float | None = None
     probes: dict[str, _Probe] = field(default_factory=dict)  # kv_request_id ->
     lookups: list[tuple[str, list[bytes], int]] = field(default_factory=list)  # to serve
     supply: dict[tuple[str, int], _Supply] = field(default_factory=dict)
@@ -288,6 +289,7 @@ class P2PTier(SecondaryTier):
         if peer.dead is not None:
             return
         peer.dead = reason
+        peer.dead_at = time.monotonic()
         level = logging.ERROR if refused else logging.INFO if self._closing else logging.WARNING
         log.log(level, "p2p %s: peer %s: %s", self.local_id, peer.id, reason)
         if refused:
@@ -302,9 +304,13 @@ class P2PTier(SecondaryTier):
         )
 
     def _reap(self, peer: _Peer) -> None:
-        """Close a dead peer once none of our rows is being written by it or read for it."""
+        """Close a dead peer once no write of ours to it is in flight (or, for a write that
+        never ends, after ``load_timeout_s``: the asker has given up on it by then)."""
         if self._data.inflight(peer.id):
-            return
+            assert peer.dead_at is not None
+            if time.monotonic() - peer.dead_at < self.load_timeout_s:
+                return
+            self._data.forget(peer.id)
         for supply in peer.supply.values():
             self._unpin.extend(supply.slots)
         peer.supply.clear()
@@ -383,12 +389,13 @@ class P2PTier(SecondaryTier):
                     log.warning("p2p %s: dropped a message from %r: %s", self.local_id, sender, err)
                 continue
             kind = message[proto.TYPE]
-            if peer is None or peer.dead is not None:
-                if kind == proto.CONNECT and peer is None:
-                    peer = self._accept(sender)
-                if peer is None or peer.dead is not None:
+            if peer is not None and peer.dead is not None:
+                continue  # a straggler from a session that has ended
+            if peer is None:
+                peer = self._accept(sender) if kind == proto.CONNECT else None
+                if peer is None:
                     if kind != proto.DISCONNECT:
-                        self._count("malformed")
+                        self._count("malformed")  # from an engine that never said connect
                     continue
             try:
                 self._dispatch(peer, kind, message)
