@@ -191,6 +191,7 @@ class WriteState:
     prepared: Prepared | None = None
     failed: int | None = None  # errno of a failed write or close: it is never published
     abandoned: bool = False  # its writer was killed with the file open: never published
+    direct: bool = False  # a passthrough writer opened it O_DIRECT: its bytes skip the page cache
 
     def changed(self) -> None:
         self.dirty = True
@@ -586,10 +587,12 @@ class Objects:
         owner: tuple[int, int],
         exclusive: bool,
         passthrough: bool = False,
+        direct: bool = False,
     ) -> tuple[Node, bool]:
         """A new empty file open for writing (visible at once, published at its last release),
         or the existing one, not opened; True if it was created. ``passthrough``: the kernel
-        writes it into its temp file (``passthrough_fd``), not the daemon into a buffer."""
+        writes it into its temp file (``passthrough_fd``), not the daemon into a buffer;
+        ``direct``: with O_DIRECT, as the writer opened it."""
 
         async def op() -> tuple[Node, bool]:
             # Under the lock: mkdir/rename/rmdir check a name, await the disk, then change the
@@ -602,7 +605,7 @@ class Objects:
                     return existing, False
                 if not parent.attached:
                     raise fail(errno.ENOENT)
-                ws = WriteState(ChunkBuffer(self.extents), writers=1)
+                ws = WriteState(ChunkBuffer(self.extents), writers=1, direct=direct)
                 if passthrough:
                     ws.file = await self._new_tmp(mode)
                 node = self.index.new_node(name, stat.S_IFREG | mode, *owner)
@@ -802,19 +805,37 @@ class Objects:
                 published = await self._write_tmp(ws.buffer, attrs, durable)
                 prepared = dataclasses.replace(prepared, published=published)
             elif durable:  # fsync: checksummed and flushed now, not at the publish
-                prepared = await self._seal(ws.file, prepared)
+                sealed = await self._seal(ws, prepared)
+                assert sealed is not None  # (unchecked: it always seals)
+                prepared = sealed
         except BaseException:
             self.evictor.release(held)
             raise
         ws.prepared = prepared
 
-    async def _seal(self, file: TmpFile, prepared: Prepared) -> Prepared:
+    async def _seal(
+        self, ws: WriteState, prepared: Prepared, check: bool = False
+    ) -> Prepared | None:
         """Checksum a passthrough file as it is now and give it its attributes; sealing changes
-        its ctime, so the version is the one after."""
+        its ctime, so the version is the one after. ``check``: None, nothing done, if the file
+        changed since ``prepared`` was made (in the same trip to the I/O pool)."""
+        assert ws.file is not None
         mode, uid, gid, times = prepared.attrs
-        published, version = await self.io.write(
-            self.store.seal_tmp, file.rel, file.fd, mode, uid, gid, times, prepared.durable
+        sealed = await self.io.write(
+            self.store.seal_tmp,
+            ws.file.rel,
+            ws.file.fd,
+            mode,
+            uid,
+            gid,
+            times,
+            prepared.durable,
+            ws.direct,
+            prepared.version if check else None,
         )
+        if sealed is None:
+            return None
+        published, version = sealed
         return dataclasses.replace(prepared, published=published, version=version)
 
     async def _version(self, ws: WriteState) -> Any:
@@ -849,15 +870,20 @@ class Objects:
             if prepared is not None:
                 self._discard(ws, prepared)
             return
-        if prepared.version != await self._version(ws):  # changed after its close (mmap)
-            self._discard(ws, prepared)
-            log.info("%s not published: changed after its last close", self._name(node))
-            return
         try:
             if prepared.published is None:  # a passthrough file: checksummed at its publish
-                assert ws.file is not None
-                attrs = self._file_attrs(node)  # a chmod or touch after its close holds
-                prepared = await self._seal(ws.file, dataclasses.replace(prepared, attrs=attrs))
+                # a chmod or touch after its close holds; one trip checks and seals
+                attrs = self._file_attrs(node)
+                sealed = await self._seal(ws, dataclasses.replace(prepared, attrs=attrs), True)
+            elif prepared.version == await self._version(ws):
+                sealed = prepared
+            else:
+                sealed = None
+            if sealed is None:  # changed after its close (mmap); the room: released below
+                self._discard_tmp(ws, prepared)
+                log.info("%s not published: changed after its last close", self._name(node))
+                return
+            prepared = sealed
             rewritten = await self._commit(node, ws, prepared)
         except OSError as err:  # its writer's close() succeeded: only the count and log tell
             self._failed(node, ws, err)

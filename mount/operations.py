@@ -344,8 +344,9 @@ class KvfsOperations(pyfuse3.Operations):
         owner = self._owner(parent, ctx)
         exclusive = bool(flags & os.O_EXCL)
         passthrough = sessions.passthrough(self.session)  # the kernel writes it, not us
+        direct = bool(flags & os.O_DIRECT)
         node, created = await self.objects.create(
-            parent, name, self._masked(mode), owner, exclusive, passthrough
+            parent, name, self._masked(mode), owner, exclusive, passthrough, direct
         )
         if not created:
             return await self.open(node.ino, flags, ctx), self._entry(node)
