@@ -23,6 +23,7 @@ import pytest
 import zmq
 
 from kvfs import p2p_protocol as proto
+from kvfs.config import ConfigError
 from kvfs.connector.nixl_data import NixlData, nixl_unavailable
 from tests import kv_model
 from tests.conftest import free_port
@@ -440,3 +441,41 @@ def test_malformed_and_hostile_messages_are_dropped_and_counted(engines: Any) ->
     # Through all of it, the real peer is still served, byte-exact.
     found, _ = b.ask(list(held), "after", a)
     assert found.hits == 3 and b.read(list(held)) == list(held.values())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"port": None}, "missing a required argument: 'port'"),
+        ({"port": "x"}, r"\.port: 'x' is not a TCP port"),
+        ({"peers": "127.0.0.1:1"}, r"\.peers: '127.0.0.1:1' is not a list"),
+        ({"peers": ["no-port"]}, r"\.peers: peer 'no-port' is not HOST:PORT"),
+        ({"lookup_timeout_s": 0}, r"\.lookup_timeout_s: 0 is not a positive number"),
+        ({"hash_seed": 5}, r"\.hash_seed: 5 is not a string"),
+        ({"bogus": 1}, "unexpected keyword argument 'bogus'"),
+    ],
+)
+def test_configuration_errors_name_the_key(options: dict[str, Any], message: str) -> None:
+    options = {"port": free_port(), **options}
+    if options["port"] is None:
+        del options["port"]
+    with pytest.raises(ConfigError, match=message):
+        _engine_with(options)
+
+
+def _engine_with(options: dict[str, Any]) -> None:
+    from kvfs.connector.config import ConnectorConfig
+    from kvfs.connector.manager import TieringManager
+    from tests.p2p_engine import run_config
+
+    config = ConnectorConfig.from_extra_config(
+        {"cpu_bytes_to_use": 4 * ROW, "secondary_tiers": [{"type": "p2p", **options}]}
+    )
+    TieringManager(config, run_config(), Region(4).view).shutdown()
+
+
+def test_a_port_in_use_is_a_configuration_error(engines: Any) -> None:
+    port = free_port()
+    engines(port, [])
+    with pytest.raises(ConfigError, match="cannot listen"):
+        _engine_with({"port": port})

@@ -46,6 +46,7 @@ import zmq
 import zmq.utils.monitor
 
 from kvfs import p2p_protocol as proto
+from kvfs.config import ConfigError
 from kvfs.connector.nixl_data import NixlData
 from kvfs.connector.tiers.base import (
     HostAccess,
@@ -154,8 +155,9 @@ class P2PTier(SecondaryTier):
         backends: Sequence[str] | None = None,
     ) -> None:
         super().__init__(host_view, context)
-        if not isinstance(port, int) or not 0 < port < 65536:
-            raise ValueError(f"port {port!r}: a TCP port (1-65535)")
+        where = f"secondary_tiers[{context.name}]"
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ConfigError(f"{where}.port: {port!r} is not a TCP port (1-65535)")
         for name, value in (
             ("lookup_timeout_s", lookup_timeout_s),
             ("load_timeout_s", load_timeout_s),
@@ -166,13 +168,20 @@ class P2PTier(SecondaryTier):
             ("refused_retry_s", refused_retry_s),
         ):
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} {value!r}: a positive number of seconds")
+                raise ConfigError(f"{where}.{name}: {value!r} is not a positive number of seconds")
+        if not isinstance(host, str) or not host:
+            raise ConfigError(f"{where}.host: {host!r} is not an address")
         if isinstance(peers, str) or not isinstance(peers, Sequence):
-            raise ValueError(f"peers {peers!r}: a list of HOST:PORT")
+            raise ConfigError(f"{where}.peers: {peers!r} is not a list of HOST:PORT")
         self.local_id = f"{host}:{port}"
-        self._configured = [_peer_id(p) for p in peers]
+        try:
+            self._configured = [_peer_id(p) for p in peers]
+        except ValueError as err:
+            raise ConfigError(f"{where}.peers: {err}") from None
         if self.local_id in self._configured:
-            raise ValueError(f"peers: {self.local_id} is this engine itself")
+            raise ConfigError(f"{where}.peers: {self.local_id} is this engine itself")
+        if hash_seed is not None and not isinstance(hash_seed, str):
+            raise ConfigError(f"{where}.hash_seed: {hash_seed!r} is not a string")
         self.lookup_timeout_s = float(lookup_timeout_s)
         self.load_timeout_s = float(load_timeout_s)
         self.handshake_timeout_s = float(handshake_timeout_s)
@@ -189,7 +198,10 @@ class P2PTier(SecondaryTier):
         self.fingerprint = proto.fingerprint(context.run_config.fields())
         self._m = context.metrics
 
-        self._data = NixlData(host_view, list(backends) if backends else None)
+        try:
+            self._data = NixlData(host_view, list(backends) if backends else None)
+        except ImportError as err:
+            raise ConfigError(f"{where}: {err} (install kvfs[p2p])") from None
         self._ctx = zmq.Context()
         try:
             self._router = self._ctx.socket(zmq.ROUTER)
@@ -197,9 +209,11 @@ class P2PTier(SecondaryTier):
             self._router.setsockopt(zmq.MAXMSGSIZE, proto.MAX_MESSAGE_BYTES)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.bind(f"tcp://{host}:{port}")
-        except Exception:
+        except Exception as err:
             self._ctx.destroy(linger=0)
             self._data.close()
+            if isinstance(err, zmq.ZMQError):
+                raise ConfigError(f"{where}: cannot listen on {self.local_id}: {err}") from None
             raise
         self._peers: dict[str, _Peer] = {}
         self._retry_at: dict[str, float] = {}  # peer -> when it may be dialled again
