@@ -406,10 +406,11 @@ class P2PTier(SecondaryTier):
             if peer is not None and peer.dead is not None:
                 continue  # a straggler from a session that has ended
             if peer is None:
-                peer = self._accept(sender) if kind == proto.CONNECT else None
+                if kind == proto.CONNECT:
+                    peer = self._accept(sender)
+                elif kind != proto.DISCONNECT and sender not in self._retry_at:
+                    self._count("malformed")  # from an engine that never said connect
                 if peer is None:
-                    if kind != proto.DISCONNECT:
-                        self._count("malformed")  # from an engine that never said connect
                     continue
             try:
                 self._dispatch(peer, kind, message)
@@ -418,14 +419,16 @@ class P2PTier(SecondaryTier):
                 self._kill(peer, f"protocol error: {err}")
 
     def _accept(self, sender: str) -> _Peer | None:
+        """A session for an engine that says ``connect``; its message is checked next (a
+        peer refused before is checked again: the check is cheap, and it learns at once)."""
         if not _PEER_ID.match(sender) or sender == self.local_id:
             log.warning("p2p %s: connect from a bad identity %r", self.local_id, sender)
+            self._count("malformed")
             return None
         if not self.accept_unknown_peers and sender not in self._configured:
             log.warning("p2p %s: connect from %s, not a configured peer", self.local_id, sender)
+            self._count("malformed")
             return None
-        if self._retry_at.get(sender, 0.0) > time.monotonic():
-            return None  # refused or lost a moment ago
         return self._open(sender, configured=sender in self._configured)
 
     def _dispatch(self, peer: _Peer, kind: str, message: dict[str, Any]) -> None:
