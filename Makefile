@@ -49,7 +49,7 @@ $(VENV)/.mount: pyproject.toml | $(VENV)/bin/python
 # vLLM's own fs-tier code for the interop tests: its import-time packages, then vLLM itself
 # without its dependency list (which would pull a CUDA build of torch).
 $(VENV)/.test: pyproject.toml requirements/vllm.txt $(VENV)/.mount
-	$(VENV)/bin/pip install -q -e '.[mount,connector,dev]' $(TORCH) -r requirements/vllm.txt
+	$(VENV)/bin/pip install -q -e '.[mount,connector,p2p,dev]' $(TORCH) -r requirements/vllm.txt
 	$(VENV)/bin/pip install -q --no-deps $(VLLM)
 	touch $@
 
