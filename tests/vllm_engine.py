@@ -154,6 +154,7 @@ class Engine:
         num_blocks: int = 64,
         host_chunks: int = 32,
         seed: int = 0,
+        extra_config: dict[str, Any] | None = None,
     ) -> None:
         from vllm.config import (
             CacheConfig,
@@ -191,19 +192,26 @@ class Engine:
         self.layout = LAYOUTS.get(layout, layout)
         self.layout_name = {v: k for k, v in LAYOUTS.items()}.get(self.layout, layout)
         self.blocks_per_chunk = blocks_per_chunk
+        if extra_config is not None:
+            assert extra_config.get("blocks_per_chunk", blocks_per_chunk) == blocks_per_chunk
         self.engine_id = f"kvfs-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         dtype = torch.bfloat16
         # host region size: room for host_chunks rows (a generous row: every layer, all heads)
         row = 2 * BLOCK_SIZE * HEAD_SIZE * dtype.itemsize * HEADS * NUM_LAYERS * blocks_per_chunk
-        self.extra_config: dict[str, Any] = {
+        default: dict[str, Any] = {
             "spec_name": "CpuTieringOffloadingSpec",
             "spec_module_path": "tests.vllm_cpu_spec",
-            "cpu_bytes_to_use": host_chunks * row,
             "canonical_layout": True,
-            "blocks_per_chunk": blocks_per_chunk,
             "secondary_tiers": [
                 {"type": "fs", "root_dir": str(root_dir), "n_read_threads": 2, "n_write_threads": 2}
             ],
+        }
+        # extra_config: another spec's config instead (the host size and chunk size stay the
+        # engine's unless it gives them)
+        self.extra_config: dict[str, Any] = {
+            "cpu_bytes_to_use": host_chunks * row,
+            "blocks_per_chunk": blocks_per_chunk,
+            **(default if extra_config is None else extra_config),
         }
 
         def vllm_config(rank: int) -> Any:
@@ -382,7 +390,8 @@ class Engine:
 
     @property
     def fs_tier(self) -> Any:
-        """vLLM's FileSystemTierManager under the manager."""
+        """The one secondary tier under the manager: vLLM's FileSystemTierManager (or
+        kvfs's KvfsTier, a subclass)."""
         [tier] = self.manager.secondary_tiers
         return tier
 
