@@ -149,7 +149,8 @@ class BatchLookups:
                     parent = self._folder(dirs, folder, caller)
                 if parent is None:
                     continue
-                node = parent.children.get(name)  # type: ignore[union-attr]  (a directory)
+                # a cached folder is a directory: it has children
+                node = parent.children.get(name)  # type: ignore[union-attr]
                 if node is None:
                     misses.append((parent, name))
                 elif node.is_file:
