@@ -31,7 +31,8 @@ pytestmark = [
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 PROMPT = [100 + (i * 7919) % 800 for i in range(16 * BLOCK_SIZE)]  # 16 blocks, 8 chunks
-CPU_SPEC = {"spec_name": "CpuKvfsOffloadingSpec", "spec_module_path": "tests.vllm_cpu_spec"}
+CPU_MODULE = "tests.vllm_cpu_spec"
+CPU_SPEC = {"spec_name": "CpuKvfsOffloadingSpec", "spec_module_path": CPU_MODULE}
 
 
 def readme_line(marker: str) -> str:
@@ -108,6 +109,7 @@ def test_the_readme_tier_line_loads_kvfs_through_vllms_factories() -> None:
     from kvfs.connector.vllm_tier import KvfsTier
 
     extra = parsed(readme_line("KvfsTier")).kv_connector_extra_config
+    assert extra["canonical_layout"] is True  # chunks shared with kvfs's connector
     assert OffloadingSpecFactory.get_spec_cls(extra) is TieringOffloadingSpec
     [tier] = extra["secondary_tiers"]
     assert SecondaryTierFactory.get_tier_class(tier) is KvfsTier
@@ -116,25 +118,41 @@ def test_the_readme_tier_line_loads_kvfs_through_vllms_factories() -> None:
 # -- a request's KV through vLLM and the mount --------------------------------------------------
 
 
+def tier_config(root: Path) -> dict[str, Any]:
+    """The README's TieringOffloadingSpec + KvfsTier config, on ``root``, with the CPU
+    worker (tests.vllm_cpu_spec.CpuTieringOffloadingSpec), the engine's host size."""
+    extra = dict(parsed(readme_line("KvfsTier")).kv_connector_extra_config)
+    del extra["cpu_bytes_to_use"]
+    [tier] = extra["secondary_tiers"]
+    extra["secondary_tiers"] = [{**tier, "root_dir": str(root)}]
+    return {**extra, "spec_name": "CpuTieringOffloadingSpec", "spec_module_path": CPU_MODULE}
+
+
 def kvfs_engine(model_dir: Path, root: Path, **kwargs: Any) -> Engine:
     return Engine(root, model_dir, extra_config=spec_config(root), **kwargs)
 
 
-@pytest.mark.parametrize(("layout", "tp"), [("NHD", 1), ("HND", 2)])
+@pytest.mark.parametrize(
+    ("line", "layout", "tp"), [("spec", "NHD", 1), ("spec", "HND", 2), ("tier", "NHD", 2)]
+)
 def test_kv_goes_device_host_mount_and_back_byte_identical(
-    model_dir: Path, kv_mount: Mount, layout: str, tp: int
+    model_dir: Path, kv_mount: Mount, line: str, layout: str, tp: int
 ) -> None:
     from kvfs.connector.vllm_spec import KvfsOffloadingSpec
     from kvfs.connector.vllm_tier import KvfsTier
     from tests.test_vllm_engine import check_files_hold_canonical_pages, check_loaded
     from tests.vllm_cpu_spec import CpuKvfsOffloadingSpec, CpuOffloadingWorker
 
-    root = kv_mount.path / f"spec-{layout}-{tp}"
-    with kvfs_engine(model_dir, root, tp=tp, layout=layout) as engine:
+    root = kv_mount.path / f"{line}-{layout}-{tp}"
+    config = spec_config(root) if line == "spec" else tier_config(root)
+    with Engine(root, model_dir, extra_config=config, tp=tp, layout=layout) as engine:
         spec = engine.workers[0].connector_worker.spec
-        assert isinstance(spec, KvfsOffloadingSpec) and type(spec) is CpuKvfsOffloadingSpec
-        # the CPU spec defines nothing: all but the worker (from the CPU harness) is kvfs's
-        assert not [n for n, v in vars(CpuKvfsOffloadingSpec).items() if callable(v)]
+        if line == "spec":
+            assert isinstance(spec, KvfsOffloadingSpec) and type(spec) is CpuKvfsOffloadingSpec
+            # the CPU spec defines nothing: all but the worker (the CPU harness's) is kvfs's
+            assert not [n for n, v in vars(CpuKvfsOffloadingSpec).items() if callable(v)]
+        else:
+            assert not isinstance(spec, KvfsOffloadingSpec)  # vLLM's spec, kvfs's tier only
         assert isinstance(engine.workers[0].connector_worker.worker, CpuOffloadingWorker)
         tier = engine.fs_tier
         assert type(tier) is KvfsTier and tier._use_o_direct
@@ -234,3 +252,12 @@ def test_the_real_spec_refuses_a_cpu_worker_clearly(model_dir: Path, kv_mount: M
     config["spec_module_path"] = "kvfs.connector.vllm_spec"
     with pytest.raises(Exception, match="only supported on CUDA-alike and XPU GPUs"):
         Engine(root, model_dir, extra_config=json.loads(json.dumps(config)))
+
+
+def test_the_gpu_checks_cpu_half_runs(kv_mount: Mount) -> None:
+    """tools/gpu_check.py --vllm-spec compares vLLM's CUDA worker with this harness on a GPU;
+    here, only its CPU half runs (so the script is known to work up to the GPU)."""
+    from tools.gpu_check import vllm_spec_check
+
+    result = vllm_spec_check(str(kv_mount.path), 2, devices=("cpu",))
+    assert result["chunk_files"] == 9 and result["identical"]

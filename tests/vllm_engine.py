@@ -19,6 +19,9 @@ local model (a ``config.json`` only: no weights, no tokenizer, no network):
   ``/dev/shm`` host region as vLLM's workers do. Their outputs are merged by vLLM's
   ``KVOutputAggregator``, as the executor merges them.
 
+``device="cuda"`` puts the KV cache on the GPU (tools/gpu_check.py ``--vllm-spec``: vLLM's own
+CUDA worker); the CPU specs of tests/vllm_cpu_spec.py need ``"cpu"``.
+
 Each step runs the scheduler, then every worker's connector calls in the order of vLLM's
 ``KVConnectorModelRunnerMixin._get_kv_connector_output`` (no model forward: the "model" samples
 EOS at once), then ``Scheduler.update_from_output``.
@@ -155,6 +158,7 @@ class Engine:
         host_chunks: int = 32,
         seed: int = 0,
         extra_config: dict[str, Any] | None = None,
+        device: str = "cpu",
     ) -> None:
         from vllm.config import (
             CacheConfig,
@@ -239,7 +243,7 @@ class Engine:
                     engine_id=self.engine_id,
                     kv_connector_extra_config=json.loads(json.dumps(self.extra_config)),
                 ),
-                device_config=DeviceConfig("cpu"),
+                device_config=DeviceConfig(device),
                 parallel_config=ParallelConfig(tensor_parallel_size=tp),
             )
             config.parallel_config.rank = rank
@@ -292,7 +296,7 @@ class Engine:
                 worker = OffloadingConnector(config, KVConnectorRole.WORKER, worker_configs[rank])
                 self.workers.append(worker)
                 kv = allocate_kv_cache(
-                    worker_configs[rank], torch.device("cpu"), KVCacheLayout[self.layout]
+                    worker_configs[rank], torch.device(device), KVCacheLayout[self.layout]
                 )
                 self._fill(kv, rank, seed)
                 worker.register_kv_caches(kv)
@@ -322,12 +326,12 @@ class Engine:
     def block_kv(self, layer: str, block_id: int) -> torch.Tensor:
         """All heads of one device block of one layer, [H, N, 2D] as int16 (bf16 bits: random
         bits hold NaNs, which torch.equal would call unequal)."""
-        return torch.cat([kv[layer][block_id].view(torch.int16) for kv in self.kv])
+        return torch.cat([kv[layer][block_id].view(torch.int16).cpu() for kv in self.kv])
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """All heads of every block, per layer: [B, H, N, 2D] int16 copies."""
         return {
-            name: torch.cat([kv[name].view(torch.int16) for kv in self.kv], dim=1).clone()
+            name: torch.cat([kv[name].view(torch.int16).cpu() for kv in self.kv], dim=1).clone()
             for name in LAYER_NAMES
         }
 
