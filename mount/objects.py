@@ -30,7 +30,7 @@ import os
 import stat
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import partial
@@ -1195,6 +1195,72 @@ class Objects:
                 if node.is_file:
                     self.adopted.add(node.ino)
                 return node
+
+        return await self.bounded(op)
+
+    async def fall_through_paths(self, rels: Sequence[bytes]) -> set[bytes]:
+        """``fall_through`` for many paths at once (a batched lookup's misses), in one trip to
+        the I/O pool: what the index lacks of each path is looked for on the shared backing
+        directory, and a file found there joins the index with the directories above it.
+        Returns the paths that are files now."""
+        if self.store.host is None:
+            return set()
+        # Per path: the deepest node the index knows on it, and the components below it.
+        todo: list[tuple[Node, bytes, list[bytes]]] = []
+        for rel in rels:
+            node, parts = self.index.root, rel.split(b"/")
+            if not parts or layout.is_reserved(True, parts[0]):
+                continue
+            depth = 0
+            while depth < len(parts) and node.children is not None:
+                child = node.children.get(parts[depth])
+                if child is None:
+                    break
+                node, depth = child, depth + 1
+            if depth < len(parts) and node.children is not None:
+                todo.append((node, self.index.path(node), parts[depth:]))
+        if not todo:
+            return set()
+
+        def probe_all() -> list[list[Found]]:
+            seen: dict[bytes, Found | None] = {}
+            out = []
+            for _, above, parts in todo:
+                found: list[Found] = []
+                for part in parts:
+                    above = os.path.join(above, part)
+                    if above not in seen:
+                        seen[above] = self.store.probe(above)
+                    hit = seen[above]
+                    if hit is None:
+                        break
+                    found.append(hit)
+                    if not stat.S_ISDIR(hit.st.st_mode):
+                        break
+                out.append(found)
+            return out
+
+        async def op() -> set[bytes]:
+            probed = await self.io.read(probe_all)
+            files = set()
+            async with self._ns:  # creates, renames and lookups meanwhile win
+                for (node, above, parts), found in zip(todo, probed, strict=True):
+                    if not node.attached or self.index.path(node) != above:
+                        continue  # it moved meanwhile: the client asks again
+                    walked = 0
+                    for part, hit in zip(parts, found, strict=False):
+                        if node.children is None:
+                            break
+                        child = node.children.get(part)
+                        if child is None:
+                            self.counters.fell_through += 1
+                            child = shared.adopt(self.index, node, part, hit)
+                            if child.is_file:
+                                self.adopted.add(child.ino)
+                        node, walked = child, walked + 1
+                    if walked == len(parts) and node.is_file:
+                        files.add(os.path.join(above, *parts))
+            return files
 
         return await self.bounded(op)
 
