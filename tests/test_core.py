@@ -247,3 +247,17 @@ def test_sparse_regions_take_no_memory_and_read_as_zeros() -> None:
     holes = [hole for _, _, hole in buf.segments()]
     assert holes.count(False) == 2 and len(holes) == 1025
     buf.release()
+
+
+def test_a_file_that_cannot_be_mapped_is_checksummed_by_reading() -> None:
+    """A filesystem without mmap (sshfs -o direct_io: ENODEV; sysfs here) is read instead."""
+    path = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if not os.path.exists(path):
+        pytest.skip(f"no {path} to stand in for a filesystem without mmap")
+    with open(path, "rb") as f:
+        data = f.read()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert checksum.of_file(fd) == (checksum.checksum(data), len(data))
+    finally:
+        os.close(fd)
