@@ -33,16 +33,20 @@ class Share:
         self.server, self.served, self.sshfs, self.tmp = server, served, sshfs, tmp
         self.kvfs: dict[str, Mount] = {}
 
-    def mount(self, host: str, sshfs_of: str, *options: str) -> Mount:
-        (self.tmp / host).mkdir()
-        return Mount(self.tmp / host, self.sshfs[sshfs_of], (*options, "--shared", host))
+    def mount(self, name: str, sshfs_of: str, *options: str, host: str | None = None) -> Mount:
+        """A kvfs mount at ``tmp/name`` over the sshfs mount of host ``sshfs_of``, shared as
+        ``host`` (default: ``name``; "": not shared, an owner)."""
+        (self.tmp / name).mkdir()
+        host = name if host is None else host
+        shared = ("--shared", host) if host else ()
+        return Mount(self.tmp / name, self.sshfs[sshfs_of], (*options, *shared))
 
 
 @pytest.fixture(scope="module")
 def share(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Share]:
     tmp = tmp_path_factory.mktemp("sshfs")
     try:
-        with shared_sshfs(tmp, HOSTS) as (server, served, sshfs):
+        with shared_sshfs(tmp, (*HOSTS, "c")) as (server, served, sshfs):
             share = Share(server, served, sshfs, tmp)
             try:
                 for host in HOSTS:
@@ -277,23 +281,31 @@ def test_a_pin_is_refused_where_the_share_has_no_xattrs(hosts: tuple[Mount, Moun
     assert err.value.errno == errno.EOPNOTSUPP
 
 
-def test_one_host_id_on_two_hosts_is_not_refused_over_sshfs(share: Share) -> None:
-    """flock on sshfs holds within one sshfs mount only: the same host id is refused on one
-    host, not across two (documented; the daemon logs a warning on a FUSE backing)."""
-    twice = share.mount("c", "a", *SESSION_OPTIONS)
-    same_host = share.tmp / "c-again"
-    same_host.mkdir()
-    elsewhere = share.mount("c-elsewhere", "b", *SESSION_OPTIONS)
-    elsewhere.options = (*SESSION_OPTIONS, "--shared", "c")
+def test_locks_exclude_on_one_host_but_not_across_two(share: Share) -> None:
+    """flock on sshfs holds within one sshfs mount only: a host id twice on one host is
+    refused, but not on two hosts, and neither is an owner (no ``--shared``) beside sharers
+    on another host (documented; the daemon logs a warning on a FUSE backing)."""
+    twice = share.mount("c1", "a", *SESSION_OPTIONS, host="c")
+    same_host = share.mount("c2", "a", *SESSION_OPTIONS, host="c")
+    elsewhere = share.mount("c3", "b", *SESSION_OPTIONS, host="c")
+    owner = share.mount("owner", "c", *SESSION_OPTIONS, host="")
     try:
         twice.start()
-        again = kvfs(
-            "mount", str(same_host), "--backing", str(twice.backing), "--shared", "c", check=False
+        refused = kvfs(
+            "mount",
+            str(same_host.path),
+            "--backing",
+            str(same_host.backing),
+            *same_host.options,
+            check=False,
         )
-        assert again.returncode != 0 and "served as host c by another kvfs daemon" in again.stderr
-        elsewhere.start()  # not refused: the lock on a's sshfs mount is not seen through b's
+        assert refused.returncode != 0
+        assert "served as host c by another kvfs daemon" in refused.stderr
+        elsewhere.start()  # not refused: a's sshfs mount holds the lock, b's does not see it
+        owner.start()  # not refused either, though a and b share the directory
         assert "its locks hold on this host only" in daemon_log(twice.path).read_text()
     finally:
+        owner.stop()
         elsewhere.stop()
         twice.stop()
 
