@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from kvfs import control_protocol as proto
 from kvfs.config import daemon_log
 from tests.conftest import SESSION_OPTIONS, Mount, kvfs
 from tests.sshfs import SshServer, Unavailable, listening_addresses, shared_sshfs
+from tests.test_batch_lookup import ask, chunk, store
 from tests.test_shared import counters, write
 
 HOSTS = ("a", "b")
@@ -215,6 +217,19 @@ def test_sshfs_caches_add_no_lateness_to_a_removal(
         os.stat(share.sshfs["b"] / name)  # b's sshfs has its attributes now
         (a.path / name).unlink()
     assert [name for name in names if (b.path / name).exists()] == []
+
+
+def test_a_batched_lookup_finds_another_hosts_chunks(hosts: tuple[Mount, Mount]) -> None:
+    """The connector's batched lookup: b finds a's chunks in folders b never saw, in one trip
+    to the share; names nobody stored stay misses."""
+    a, b = hosts
+    base = "model_0123456789ab_r0"
+    theirs = [chunk(k) for k in range(8)]
+    store(a.path / base, theirs)
+    a.settle()
+    answer = ask(b, ("\n".join([base, *theirs, chunk(100), chunk(101)]) + "\n").encode())
+    assert answer == bytes([proto.LOOKUP_HIT] * 8 + [proto.LOOKUP_MISS] * 2)
+    assert (b.path / base / theirs[3]).read_bytes() == b"kv"
 
 
 def test_one_name_published_by_both_hosts_keeps_one_whole_file(
