@@ -275,7 +275,8 @@ def test_no_xattrs_checksums_stay_in_memory_and_another_host_cannot_verify(
 ) -> None:
     """sshfs has no xattrs: each daemon keeps the checksums of its own publishes in memory
     only (logged once), so a file changed on the server after a's publish is served by b,
-    which has nothing to check it against (documented as lost over sshfs)."""
+    which has nothing to check it against (documented as lost over sshfs); a, which
+    published it, still refuses it (EIO, quarantined)."""
     a, b = hosts
     data = os.urandom(64 * 1024)
     write(a, "nosum/c.bin", data)
@@ -286,6 +287,11 @@ def test_no_xattrs_checksums_stay_in_memory_and_another_host_cannot_verify(
         f.write(bad)
     assert (b.path / "nosum" / "c.bin").read_bytes() == bytes(bad)
     assert counters(b)["quarantined"] == 0
+    before = counters(a)["quarantined"]
+    with pytest.raises(OSError) as err:  # a, the publisher, has the checksum in memory
+        (a.path / "nosum" / "c.bin").read_bytes()
+    assert err.value.errno == errno.EIO
+    assert counters(a)["quarantined"] == before + 1
 
 
 def test_a_pin_is_refused_where_the_share_has_no_xattrs(hosts: tuple[Mount, Mount]) -> None:
