@@ -102,6 +102,7 @@ class SshServer:
         self.home = home
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
+        self.clients: dict[Path, SshfsMount] = {}  # by mountpoint
 
     def start(self) -> SshServer:
         if os.geteuid() != 0:
@@ -208,6 +209,7 @@ class SshfsMount:
                 output = self.log.read_text(errors="replace").strip()
                 raise Unavailable(f"sshfs did not mount: {output or 'no output'}")
             time.sleep(0.05)
+        self.server.clients[self.path] = self
         return self
 
     def _answers(self) -> bool:

@@ -10,6 +10,7 @@ import errno
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -265,6 +266,33 @@ def test_a_rename_onto_a_name_another_host_took_keeps_theirs(hosts: tuple[Mount,
     assert final.read_bytes() == b"a's bytes"
     assert (a.backing / "ren" / "final.bin").read_bytes() == b"a's bytes"
     assert counters(b)["publish_conflicts"] == before + 1
+
+
+def test_a_hung_server_costs_at_most_the_io_timeout(share: Share) -> None:
+    """The deadline promise over a network filesystem: with b's sshfs client stopped (every
+    call on its mount hangs, as on a server that stopped answering), a read through a kvfs
+    mount over it fails with EIO after --io-timeout, in either session (no passthrough read
+    that would hang in the kernel); once the client runs again, the chunk is a hit."""
+    data = os.urandom(64 * 1024)
+    write(share.kvfs["a"], "hang/c.bin", data)
+    late = share.mount("late", "c", *SESSION_OPTIONS, "--io-timeout", "2")
+    client = share.server.clients[share.sshfs["c"]].proc
+    assert client is not None
+    try:
+        late.start()
+        os.kill(client.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(OSError) as err:
+            (late.path / "hang" / "c.bin").read_bytes()
+        took = time.monotonic() - start
+        assert err.value.errno == errno.EIO
+        assert took < 2 + 15, f"{took:.1f} s"  # 2 s and the machine's load
+        os.kill(client.pid, signal.SIGCONT)
+        wait_until(lambda: (late.path / "hang" / "c.bin").exists(), 30, "the chunk, again")
+        assert (late.path / "hang" / "c.bin").read_bytes() == data
+    finally:
+        os.kill(client.pid, signal.SIGCONT)
+        late.stop()
 
 
 # -- what does not hold over sshfs, as documented ---------------------------------------------
