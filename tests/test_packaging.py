@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Imported by a dependency, not by kvfs's own code, and needed all the same.
 INDIRECT = {"connector": {"numpy"}}  # torch warns and cannot convert tensors without it
 # Modules that run only inside a vLLM process (its plugins): the vllm extra's, not connector's.
-VLLM_PLUGINS = {"connector/vllm_tier.py"}
+VLLM_PLUGINS = {"connector/vllm_tier.py", "connector/vllm_spec.py"}
 FILES = {
     "mount": ("kvfs/*.py", "mount/*.py"),
     "connector": ("kvfs/*.py", "connector/*.py"),
