@@ -221,6 +221,17 @@ OPTIONS: tuple[Option, ...] = (
         metavar="HOST_ID",
     ),
     Option(
+        "lease-ttl",
+        "with --shared: seconds the share's sweep lease lasts unrenewed (renewed every third "
+        "of it); a dead holder is replaced within TTL + TTL/3; keep it well above the hosts' "
+        "clock skew (0.3-3600)",
+        field="lease_ttl",
+        parse=_seconds,
+        show=lambda value: f"{value:g}",
+        unit="s",
+        metavar="SECONDS",
+    ),
+    Option(
         "foreground",
         "run the daemon in this process instead of detaching (for systemd: Type=notify)",
         daemon=False,
