@@ -186,8 +186,15 @@ class View:
     _heap: list[tuple[int, int, bytes]] = field(default_factory=list)
     _seq: int = 0
 
-    def apply(self, host: str, rec: Record) -> bool:
-        """Apply one record from ``host``; True if the share changed (an E: a path went)."""
+    def apply(self, host: str, rec: Record, latest: int | None = None) -> bool:
+        """Apply one record from ``host``; True if the share changed (an E: a path went).
+
+        ``latest``: no time in another host's record counts as later than this (a lie or a
+        clock far ahead must not make a chunk the newest for ever, nor outlive every E)."""
+        if latest is not None and max(rec.stamp, rec.last_read) > latest:
+            rec = Record(
+                rec.op, rec.path, min(rec.stamp, latest), rec.size, min(rec.last_read, latest)
+            )
         if rec.op == "P":
             return self._publish(host, rec)
         if rec.op == "E":

@@ -50,6 +50,7 @@ FLUSH_SECONDS = 1.0  # the journal is written once a second (like recency)
 FLUSH_SHARE = 0.01  # ... and at once when unwritten publishes pass this share of the capacity
 TAIL_SECONDS = 0.2  # the other hosts' journals are read this often
 SWEEP_SECONDS = 0.5  # the lease holder looks at the share's usage this often
+CLOCK_AHEAD = 60.0  # seconds another host's records may be ahead of our clock (else clamped)
 
 
 class Share:
@@ -100,8 +101,9 @@ class Share:
         that are not there (published after the scan and removed again, or lies) go."""
         for host in journal.hosts(self.root):
             tail = journal.Tail(host)
+            latest = time.time_ns() + int(CLOCK_AHEAD * 1e9)
             for rec in tail.poll(self.root):
-                self.view.apply(host, rec)
+                self.view.apply(host, rec, latest)
             if host == self.host:
                 self.own_skipped = tail.skipped
                 tail.close()
@@ -244,9 +246,10 @@ class Share:
             found = await self._io(Queue.READ, "journal read", self._poll)
             gone: list[bytes] = []
             changed = False
+            latest = time.time_ns() + int(CLOCK_AHEAD * 1e9)
             for host, records in found:
                 for rec in records:
-                    if self.view.apply(host, rec) or rec.op == "E":
+                    if self.view.apply(host, rec, latest) or rec.op == "E":
                         changed = True
                         if rec.op == "E" and rec.path not in self.view.entries:
                             gone.append(rec.path)
