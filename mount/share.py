@@ -389,6 +389,7 @@ class Share:
             self.removed(rel)
         self.swept += 1
         self.objects.evictor.evicted(reason, size)
+        self._flush_soon()  # the hosts waiting for room hear of it at once
         return True
 
     async def admit(self, need: int) -> None:
@@ -400,9 +401,7 @@ class Share:
         def over() -> bool:
             return self.view.used + evictor.reserved + need > evictor.capacity
 
-        if not over():
-            return
-        await self.refresh()
+        await self.refresh()  # what the others published up to now: no lag at the bound
         deadline = trio.current_time() + self.objects.cfg.io_timeout / 2
         waited = False
         while over():
