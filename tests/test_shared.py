@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from kvfs import journal
 from kvfs.buffers import on_disk
 from tests.conftest import SESSION_OPTIONS, Mount, kvfs
 from tests.test_cli import assert_refused
@@ -296,8 +297,10 @@ def test_one_capacity_holds_for_the_share_under_writers_on_every_host(tmp_path: 
         written = 3 * 2 * 100 * SMALL  # more than twice the capacity
         assert len(failures) < 3 * 2 * 100 / 2, failures[:3]
         final = share_bytes(backing)
-        print(f"peak {peak[0] / capacity:.3f} of the capacity, final {final / capacity:.3f}; "
-              f"{written >> 20} MiB written, {len(failures)} publishes refused")
+        print(
+            f"peak {peak[0] / capacity:.3f} of the capacity, final {final / capacity:.3f}; "
+            f"{written >> 20} MiB written, {len(failures)} publishes refused"
+        )
         if os.environ.get("TRACE"):
             t0 = TRACE[0][0]
             print(" ".join(f"{t - t0:.2f}:{v:.2f}" for t, v in TRACE[::5]))
@@ -308,3 +311,136 @@ def test_one_capacity_holds_for_the_share_under_writers_on_every_host(tmp_path: 
         assert all(share(m)["used"] == final for m in mounts)  # one view of the share
         evicted = sum(share(m)["swept"] for m in mounts)
         assert evicted * SMALL >= written - final - len(failures) * SMALL
+
+
+def journal_has(backing: Path, host: str, op: str, paths: set[bytes]) -> bool:
+    data = (backing / ".kvfs" / "journal" / f"{host}.log").read_bytes()
+    records = [journal.parse(line) for line in data.split(b"\n")]
+    return paths <= {r.path for r in records if r is not None and r.op == op}
+
+
+def read_by(mount: Mount, host: str) -> bool:
+    """``mount`` has read ``host``'s journal to its end."""
+    size = (mount.backing / ".kvfs" / "journal" / f"{host}.log").stat().st_size
+    return bool(share(mount)["hosts"].get(host, {}).get("offset") == size)
+
+
+def test_the_globally_least_recently_read_go_first(tmp_path: Path) -> None:
+    """Chunks written through a, the oldest of them read through b: a sweep (whoever holds
+    the lease) evicts the oldest that nobody read, never those b read."""
+    with fleet(tmp_path, ("a", "b"), "--capacity", "4M") as (a, b):
+        (a.path / "ns").mkdir()
+        old = [f"ns/c{i:02d}.bin" for i in range(12)]  # 12 of 16 chunks of room
+        for rel in old:
+            write(a, rel, os.urandom(CHUNK))
+        for rel in old[:4]:  # the four oldest become the share's newest
+            assert (b.path / rel).read_bytes() == (a.backing / rel).read_bytes()
+        wanted = {rel.encode() for rel in old[:4]}
+        wait_for("b journals its reads", lambda: journal_has(a.backing, "b", "R", wanted))
+        wait_for("a reads b's journal", lambda: read_by(a, "b"))
+        for i in range(6):  # 18 chunks: past the high watermark
+            write(a, f"ns/n{i}.bin", os.urandom(CHUNK))
+        wait_for("the sweep", lambda: share_bytes(a.backing) <= 0.9 * (4 << 20))
+        present = {rel for rel in old if (a.backing / rel).exists()}
+        gone = [rel for rel in old if rel not in present]
+        assert set(old[:4]) <= present  # read on b: the newest of all
+        assert gone and gone == old[4 : 4 + len(gone)]  # the oldest unread, in order
+        assert all((a.backing / f"ns/n{i}.bin").exists() for i in range(6))
+        for rel in gone:  # a miss on both hosts, never EIO
+            assert not (b.path / rel).exists() and not (a.path / rel).exists()
+
+
+def test_a_killed_lease_holder_is_replaced_within_the_bound(tmp_path: Path) -> None:
+    capacity = 4 << 20
+    with fleet(tmp_path, ("a", "b"), "--capacity", "4M") as mounts:
+        holder = holder_of(mounts)
+        other = next(m for m in mounts if m is not holder)
+        (other.path / "ns").mkdir()
+        write_chunks(other, "ns/before-", 12, [])
+        os.kill(holder.pid, 9)  # kill -9: it renews no more, releases nothing
+        killed = time.monotonic()
+        took = wait_for("the takeover", lambda: share(other)["lease_holder"], timeout=30)
+        print(f"takeover {took:.2f}s after kill -9 (TTL {TTL}s)")
+        # TTL + one poll period (TTL/3) is the design's bound; a loaded machine adds its
+        # scheduling delay, so allow a second more.
+        assert time.monotonic() - killed <= TTL + TTL / 3 + 1.0
+        assert share(other)["leases_broken"] == 1
+        holder.kill()  # clears the dead mount
+        failures: list[OSError] = []
+        write_chunks(other, "ns/after-", 24, failures)  # six times the room left
+        other.settle()
+        wait_for("the sweep", lambda: share_bytes(other.backing) <= capacity)
+        assert not failures
+        assert share(other)["swept"] > 0
+
+
+def test_hostile_and_corrupt_journal_lines_are_skipped_and_counted(
+    hosts: tuple[Mount, Mount],
+) -> None:
+    a, b = hosts
+    journals = a.backing / ".kvfs" / "journal"
+    write(a, "hostile/real.bin", b"r" * 5000)
+    before = share(a)["used"]
+    lines = [
+        journal.header(1, "evil"),
+        b"not a record\n",
+        b"00000000 P 1 2 3 hostile/x.bin\n",  # wrong checksum
+        journal._line("P 1 5000 1 ../../etc/passwd"),
+        journal._line("P 1 5000 1 .kvfs/lock"),
+        journal._line("E 1 /etc/passwd"),
+        journal._line(f"P 1 {1 << 60} 1 hostile/huge.bin"),
+        journal._line("R -1 1 hostile/real.bin"),
+        b"\xff\xfe\x00\x01\n",
+        b"x" * 20000 + b"\n",  # longer than any line
+        journal.header(1, "evil"),  # a header in the middle
+        journal.read(b"hostile/real.bin", time.time_ns(), 1),  # valid: applied
+    ]
+    (journals / "evil.log").write_bytes(b"".join(lines))
+    (journals / "evil2.log").write_bytes(
+        b"garbage header\n" + journal.evicted(b"hostile/real.bin", 1)
+    )
+    bad = len(lines) - 2
+
+    def skipped(host: str) -> int:
+        return int(share(a)["hosts"].get(host, {}).get("skipped", -1))
+
+    wait_for("a reads the hostile journals", lambda: read_by(a, "evil") and read_by(a, "evil2"))
+    assert skipped("evil") == bad and skipped("evil2") == 1
+    assert share(a)["hosts"]["evil"]["lines"] == 1
+    # A torn last line is not skipped: it is read again, whole, once its writer ends it.
+    torn = journal.read(b"hostile/real.bin", time.time_ns(), 2)
+    with open(journals / "evil.log", "ab") as f:
+        f.write(journal.read(b"hostile/real.bin", time.time_ns(), 2) + torn[:12])
+    wait_for("one more line", lambda: share(a)["hosts"]["evil"]["lines"] == 2)
+    with open(journals / "evil.log", "ab") as f:
+        f.write(torn[12:])
+    wait_for("the torn line, whole", lambda: share(a)["hosts"]["evil"]["lines"] == 3)
+    assert skipped("evil") == bad
+    # Nothing of it counted, the daemon serves on, and the metrics say it.
+    assert share(a)["used"] == before  # evil2's E (after its bad header): older than x
+    assert (a.path / "hostile/real.bin").read_bytes() == b"r" * 5000
+    assert share(a)["skipped_lines"] >= bad + 1
+    (journals / "evil.log").unlink()
+    (journals / "evil2.log").unlink()
+
+
+def test_a_host_that_restarts_resumes_its_journal(hosts: tuple[Mount, Mount]) -> None:
+    a, b = hosts
+    journals = a.backing / ".kvfs" / "journal"
+    write(a, "resume/x.bin", os.urandom(10000))
+    wait_for("a journals x", lambda: journal_has(a.backing, "a", "P", {b"resume/x.bin"}))
+    wait_for("b reads it", lambda: read_by(b, "a"))
+    used, log = share(b)["used"], (journals / "a.log").read_bytes()
+    a.kill()  # kill -9, then a torn line as a crash mid-write could leave
+    with open(journals / "a.log", "ab") as f:
+        f.write(journal.published(b"resume/torn.bin", 1, 1, 1)[:20])
+    skipped = share(b)["hosts"]["a"]["skipped"]
+    a.start()
+    assert (journals / "a.log").read_bytes().startswith(log)  # resumed, not started over
+    assert share(a)["used"] == used  # x counted once, from a's own journal
+    write(a, "resume/y.bin", os.urandom(10000))
+    wait_for("a journals y", lambda: journal_has(a.backing, "a", "P", {b"resume/y.bin"}))
+    wait_for("b reads on", lambda: read_by(b, "a"))
+    assert share(b)["hosts"]["a"]["skipped"] == skipped + 1  # the torn line, ended
+    assert share(b)["used"] == used + on_disk(10000)
+    assert (b.path / "resume/y.bin").exists()
