@@ -377,7 +377,7 @@ def test_a_killed_lease_holder_is_replaced_within_the_bound(tmp_path: Path) -> N
 def test_hostile_and_corrupt_journal_lines_are_skipped_and_counted(
     hosts: tuple[Mount, Mount],
 ) -> None:
-    a, b = hosts
+    a, _ = hosts
     journals = a.backing / ".kvfs" / "journal"
     write(a, "hostile/real.bin", b"r" * 5000)
     before = share(a)["used"]
@@ -444,3 +444,27 @@ def test_a_host_that_restarts_resumes_its_journal(hosts: tuple[Mount, Mount]) ->
     assert share(b)["hosts"]["a"]["skipped"] == skipped + 1  # the torn line, ended
     assert share(b)["used"] == used + on_disk(10000)
     assert (b.path / "resume/y.bin").exists()
+
+
+def test_a_kept_passthrough_backing_file_goes_when_the_journals_say_its_chunk_went(
+    tmp_path: Path,
+) -> None:
+    """b reads a chunk in passthrough and keeps its backing file for the next open; a evicts
+    it: once b reads a's journal, an open on b is a miss, not the old bytes."""
+    passthrough = ("--session", "kernel", "--verify", "first-read", "--scrub-rate", "0")
+    with fleet(tmp_path, ("a", "b"), *passthrough) as (a, b):
+        data = os.urandom(CHUNK)
+        write(a, "pt/x.bin", data)
+        for _ in range(3):  # served and verified; passed through; through the kept file
+            assert (b.path / "pt/x.bin").read_bytes() == data
+        session = json.loads((b.path / ".kvfs" / "usage.json").read_bytes())["session"]
+        if not session["passthrough"]:
+            pytest.skip("this kernel refuses passthrough")
+        assert session["backing_reused"] >= 1  # b keeps x's backing file between opens
+        dropped = share(b)["dropped"]
+        kvfs("evict", str(a.path), "--namespace", "pt")
+        wait_for("b drops x", lambda: share(b)["dropped"] == dropped + 1)
+        gone = counters(b)["gone_elsewhere"]
+        with pytest.raises(FileNotFoundError):
+            (b.path / "pt/x.bin").read_bytes()
+        assert counters(b)["gone_elsewhere"] == gone  # a miss at the lookup: never opened
