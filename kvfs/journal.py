@@ -28,8 +28,10 @@ Everything here blocks on the filesystem (the daemon runs it in its I/O pool) or
 from __future__ import annotations
 
 import contextlib
+import errno
 import heapq
 import os
+import stat
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -46,6 +48,7 @@ MAX_PATH = 4096
 MAX_SIZE = 1 << 50  # a chunk larger than a pebibyte is a lie
 MAX_READ = 4 << 20  # bytes a reader takes from one journal per poll
 COMPACT_BYTES = 16 << 20  # a log past this is compacted
+MAX_SNAPSHOT = 1 << 30  # a snapshot is read up to this size (hostile: no further)
 TOMBSTONES = 1 << 16  # evictions remembered, so that a late publish of a gone version is ignored
 
 
@@ -273,12 +276,35 @@ class View:
 # -- the files -------------------------------------------------------------------------------
 
 
-def _read_all(path: bytes) -> bytes | None:
+def open_regular(path: bytes) -> int | None:
+    """Open a file in the share for reading, only if it is a regular file: a symlink, fifo or
+    device planted under a journal's name would point the reader elsewhere or block it."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # a symlink
+            return None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _read_all(path: bytes, limit: int) -> bytes | None:
+    fd = open_regular(path)
+    if fd is None:
+        return None
+    try:
+        chunks, size = [], 0
+        while size < limit and (data := os.read(fd, min(1 << 20, limit - size))):
+            chunks.append(data)
+            size += len(data)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _replace(root: bytes, rel: bytes, data: bytes) -> None:
@@ -313,10 +339,15 @@ class Writer:
 
     def open(self) -> None:
         """Resume the log (a torn last line is ended, so readers skip it), or start one."""
-        os.makedirs(os.path.join(self.root, JOURNAL_DIR), exist_ok=True)
+        directory = os.path.join(self.root, JOURNAL_DIR)
+        os.makedirs(directory, exist_ok=True)
+        for name in os.listdir(directory):  # temp files a crash left in a compaction
+            if name.startswith(self.host.encode() + b".") and name.endswith(b".tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(directory, name))
         first = b""
         try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             self.generation = 1
             _replace(self.root, log_name(self.host), header(1, self.host))
@@ -378,7 +409,7 @@ class Tail:
             return records
         self._drain(records)
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except FileNotFoundError:
             return records
         if st.st_ino != self.ino:  # compacted: the old log was drained above
@@ -391,9 +422,8 @@ class Tail:
     def _open(
         self, root: bytes, path: bytes, records: list[Record], fresh: bool, after: int = 0
     ) -> bool:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        fd = open_regular(path)
+        if fd is None:
             return False
         self.fd, self.ino, self.offset = fd, os.fstat(fd).st_ino, 0
         first = os.pread(fd, MAX_LINE, 0)
@@ -413,7 +443,7 @@ class Tail:
         return True
 
     def _snapshot(self, root: bytes, records: list[Record]) -> None:
-        data = _read_all(os.path.join(root, snap_name(self.host)))
+        data = _read_all(os.path.join(root, snap_name(self.host)), MAX_SNAPSHOT)
         if not data:
             return
         lines, _ = split(data)

@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from kvfs import layout
+from kvfs import journal, layout
 
 LEASE_FILE = layout.PRIVATE_DIR + b"/sweep.lease"
 MAGIC = b"kvfs-lease"
@@ -186,8 +186,12 @@ class Lease:
 
     @staticmethod
     def _read(path: bytes) -> bytes | None:
+        """The lease's bytes; a symlink, fifo or device under its name reads as garbage
+        (b""), never followed, never waited on."""
+        fd = journal.open_regular(path)
+        if fd is None:
+            return None if not os.path.lexists(path) else b""
         try:
-            with open(path, "rb") as f:
-                return f.read(MAX_BYTES + 1)
-        except FileNotFoundError:
-            return None
+            return os.read(fd, MAX_BYTES + 1)
+        finally:
+            os.close(fd)

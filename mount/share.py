@@ -49,6 +49,7 @@ T = TypeVar("T")
 FLUSH_SECONDS = 1.0  # the journal is written once a second (like recency)
 FLUSH_SHARE = 0.01  # ... and at once when unwritten publishes pass this share of the capacity
 TAIL_SECONDS = 0.2  # the other hosts' journals are read this often
+DISCOVER_SECONDS = 1.0  # and the journal directory listed for new hosts this often
 SWEEP_SECONDS = 0.5  # the lease holder looks at the share's usage this often
 CLOCK_AHEAD = 60.0  # seconds another host's records may be ahead of our clock (else clamped)
 
@@ -112,8 +113,8 @@ class Share:
         self.writer.open()
         files = {self.index.path(n): n for n in self.index.walk_files() if n.on_backing}
         for path, entry in list(self.view.entries.items()):
-            if path not in files and not self._exists(path):
-                self.view.remove(path, entry.stamp)
+            if path not in files and not self._exists(path):  # its E was lost (a crash)
+                self.removed(path, entry.stamp)  # that version went: the others hear it too
                 self.phantoms += 1
         for path, node in files.items():
             if path not in self.view.entries and not node.links:
@@ -231,19 +232,23 @@ class Share:
                 log.warning("share: journal compaction failed: %s", err)
 
     async def tail_forever(self) -> None:
+        looked = 0.0
         while True:
             with trio.move_on_after(TAIL_SECONDS):
                 await self._tail_wanted.wait()
             self._tail_wanted = trio.Event()
+            discover = time.monotonic() - looked >= DISCOVER_SECONDS
+            looked = time.monotonic() if discover else looked
             try:
-                await self.refresh()
+                await self.refresh(discover)
             except OSError as err:
                 log.warning("share: reading the journals failed: %s", err)
 
-    async def refresh(self) -> None:
-        """Read what the other hosts journaled since the last time, and apply it."""
+    async def refresh(self, discover: bool = False) -> None:
+        """Read what the other hosts journaled since the last time, and apply it;
+        ``discover``: look for new hosts' journals first."""
         async with self._tail_lock:
-            found = await self._io(Queue.READ, "journal read", self._poll)
+            found = await self._io(Queue.READ, "journal read", self._poll, discover)
             gone: list[bytes] = []
             changed = False
             latest = time.time_ns() + int(CLOCK_AHEAD * 1e9)
@@ -262,9 +267,9 @@ class Share:
                 if self.view.used > HIGH_WATERMARK * self.objects.evictor.capacity:
                     self._sweep_wanted.set()
 
-    def _poll(self) -> list[tuple[str, list[Record]]]:
+    def _poll(self, discover: bool) -> list[tuple[str, list[Record]]]:
         """On the pool: new hosts' journals found, and every tail read on."""
-        for host in journal.hosts(self.root):
+        for host in journal.hosts(self.root) if discover else ():
             if host != self.host and host not in self.tails:
                 self.tails[host] = journal.Tail(host)
         return [(host, tail.poll(self.root)) for host, tail in list(self.tails.items())]
