@@ -154,6 +154,14 @@ class Share:
         stamp = self._now() if stamp is None else stamp
         self.view.remove(rel, stamp)
         self._append(journal.evicted(rel, stamp))
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        """Publishes waiting for room look again (a chunk went, or this host took the lease)."""
+        changed = getattr(self, "changed", None)
+        if changed is not None:
+            changed.set()
+            self.changed = trio.Event()
 
     def forget(self, rel: bytes) -> None:
         """Another host removed it (an open found it gone): out of the view, not journaled."""
@@ -262,8 +270,7 @@ class Share:
             if gone:
                 await self._drop_local(gone)
             if changed:
-                self.changed.set()
-                self.changed = trio.Event()
+                self._wake_waiters()
                 if self.view.used > HIGH_WATERMARK * self.objects.evictor.capacity:
                     self._sweep_wanted.set()
 
@@ -316,6 +323,7 @@ class Share:
             if held and not was:
                 log.info("share: this host took the sweep lease")
                 self._sweep_wanted.set()
+                self._wake_waiters()
             elif was and not held:
                 log.warning("share: this host lost the sweep lease (now %s)", self.lease.holder)
             await trio.sleep(period)
