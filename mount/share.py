@@ -47,10 +47,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 FLUSH_SECONDS = 1.0  # the journal is written once a second (like recency)
-FLUSH_SHARE = 0.01  # ... and at once when unwritten publishes pass this share of the capacity
+# ... and at once when unwritten publishes pass this share of the capacity, or the share is
+# past its low watermark
 TAIL_SECONDS = 0.2  # the other hosts' journals are read this often
 DISCOVER_SECONDS = 1.0  # and the journal directory listed for new hosts this often
 SWEEP_SECONDS = 0.5  # the lease holder looks at the share's usage this often
+# Publishes are admitted up to the high watermark: the rest of the capacity is the room for
+# what the other hosts publish meanwhile (unseen until their journals are read). The sweeper
+# starts halfway between the watermarks, so that every publish waiting for room gets it.
+SWEEP_AT = (LOW_WATERMARK + HIGH_WATERMARK) / 2
 CLOCK_AHEAD = 60.0  # seconds another host's records may be ahead of our clock (else clamped)
 
 
@@ -147,8 +152,14 @@ class Share:
         self.view.apply(self.host, Record("P", rel, now, size, last))
         self._append(journal.published(rel, now, size, last))
         self.pending_published += on_disk(size)
-        if self.pending_published >= FLUSH_SHARE * self.objects.evictor.capacity:
+        capacity = self.objects.evictor.capacity
+        if (
+            self.pending_published >= 0.01 * capacity or self.view.used > LOW_WATERMARK * capacity
+        ):  # near the bound, the others must hear of it now
             self._flush_soon()
+        sweep = getattr(self, "_sweep_wanted", None)
+        if sweep is not None and self.view.used > SWEEP_AT * capacity:
+            sweep.set()
 
     def removed(self, rel: bytes, stamp: int | None = None) -> None:
         stamp = self._now() if stamp is None else stamp
@@ -226,7 +237,8 @@ class Share:
         batch = b"".join(self.pending)
         self.pending, self.pending_published = [], 0
         try:
-            await self._io(Queue.WRITE, "journal write", self.writer.append, batch)
+            # The read queue: a small write that must not wait behind chunks being written
+            await self._io(Queue.READ, "journal write", self.writer.append, batch)
         except OSError as err:
             self.write_failures += 1
             log.warning("share: journal write failed (%s): retried with the next batch", err)
@@ -271,7 +283,7 @@ class Share:
                 await self._drop_local(gone)
             if changed:
                 self._wake_waiters()
-                if self.view.used > HIGH_WATERMARK * self.objects.evictor.capacity:
+                if self.view.used > SWEEP_AT * self.objects.evictor.capacity:
                     self._sweep_wanted.set()
 
     def _poll(self, discover: bool) -> list[tuple[str, list[Record]]]:
@@ -336,7 +348,7 @@ class Share:
             with trio.move_on_after(SWEEP_SECONDS):
                 await self._sweep_wanted.wait()
             self._sweep_wanted = trio.Event()
-            if not self.lease.holding() or self.view.used <= HIGH_WATERMARK * evictor.capacity:
+            if not self.lease.holding() or self.view.used <= SWEEP_AT * evictor.capacity:
                 continue
             try:
                 await self.refresh()
@@ -406,13 +418,20 @@ class Share:
         return True
 
     async def admit(self, need: int) -> None:
-        """Room for a publish of ``need`` bytes (on disk) under the share's capacity: the lease
-        holder evicts for it, another host waits for the holder's evictions (ENOSPC if they do
-        not come within half the deadline)."""
+        """Room for a publish of ``need`` bytes (on disk) under the share's high watermark
+        (the rest of the capacity is the room for what other hosts publish meanwhile, which
+        this host hears of only through their journals): the lease holder evicts for it,
+        another host waits for the holder's evictions (ENOSPC if they do not come within half
+        the deadline)."""
         evictor = self.objects.evictor
 
         def over() -> bool:
-            return self.view.used + evictor.reserved + need > evictor.capacity
+            used = self.view.used + evictor.reserved
+            if used + need <= HIGH_WATERMARK * evictor.capacity:
+                return False
+            # A chunk too large for the room under the high watermark still goes in while
+            # the share is below where the sweeper starts (it would not make more room).
+            return self.lease.holding() or used > SWEEP_AT * evictor.capacity
 
         await self.refresh()  # what the others published up to now: no lag at the bound
         deadline = trio.current_time() + self.objects.cfg.io_timeout / 2
