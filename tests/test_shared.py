@@ -9,15 +9,17 @@ import json
 import os
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvfs import journal
 from kvfs.buffers import on_disk
-from tests.conftest import SESSION_OPTIONS, Mount, kvfs
+from tests.conftest import SESSION_OPTIONS, Mount, free_port, kvfs
 from tests.test_cli import assert_refused
 
 
@@ -209,12 +211,16 @@ def share_bytes(backing: Path) -> int:
 
 
 @contextlib.contextmanager
-def fleet(tmp: Path, names: tuple[str, ...], *options: str) -> Iterator[list[Mount]]:
-    """Daemons for ``names`` on one backing directory, always unmounted."""
+def fleet(
+    tmp: Path, names: tuple[str, ...], *options: str, first: tuple[str, ...] = ()
+) -> Iterator[list[Mount]]:
+    """Daemons for ``names`` on one backing directory (``first``: options of the first
+    alone), always unmounted."""
     (tmp / "backing").mkdir()
     mounts = [shared_mount(tmp, tmp / "backing", name) for name in names]
-    for mount in mounts:
-        mount.options = (*mount.options, "--lease-ttl", str(TTL), *options)
+    for i, mount in enumerate(mounts):
+        own = first if i == 0 else ()
+        mount.options = (*mount.options, "--lease-ttl", str(TTL), *options, *own)
     try:
         for mount in mounts:
             mount.start()
@@ -479,3 +485,29 @@ def test_a_kept_passthrough_backing_file_goes_when_the_journals_say_its_chunk_we
         with pytest.raises(FileNotFoundError):
             (b.path / "pt/x.bin").read_bytes()
         assert counters(b)["gone_elsewhere"] == gone  # a miss at the lookup: never opened
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The unlabelled kvfs samples /metrics serves now."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    families = text_string_to_metric_families(text.decode())
+    return {s.name: s.value for f in families for s in f.samples if not s.labels}
+
+
+def test_the_share_in_metrics(tmp_path: Path) -> None:
+    port = free_port()
+    with fleet(tmp_path, ("a", "b"), "--capacity", "4M", first=("--metrics-port", str(port))) as (
+        a,
+        b,
+    ):
+        write(b, "m/x.bin", os.urandom(10000))
+        wait_for("a reads b's journal", lambda: read_by(a, "b") and share(a)["files"] == 1)
+        holder = holder_of([a, b])
+        wait_for("a's view of it", lambda: scrape(port)["kvfs_share_used_bytes"] == 12288)
+        metrics = scrape(port)
+        assert metrics["kvfs_share_lease_holder"] == (1 if holder is a else 0)
+        assert metrics["kvfs_share_files"] == 1 and metrics["kvfs_share_hosts"] == 1
+        assert metrics["kvfs_share_journal_skipped_lines_total"] == 0
+        assert 0 <= metrics["kvfs_share_journal_lag_seconds"] < 30
+        assert metrics["kvfs_capacity_bytes"] == 4 << 20
+        assert metrics["kvfs_used_bytes"] == 12288  # the share's, not this host's own 0
