@@ -7,12 +7,14 @@ globally least recently read unpinned chunks while the share is over its high wa
 to the low one, journaling each eviction; the others see those as misses, and drop the nodes
 (and kept passthrough backing files) of chunks the journals say went.
 
-A publish that would take the share past its capacity: the lease holder evicts for it there
-and then; another host waits (within the deadline) for the holder's evictions to reach it,
-then fails the publish with ENOSPC. What a host may publish before the others hear of it is
-bounded: its journal is written once a second, and at once when its unwritten publishes pass
-1 % of the capacity; the others read it every TAIL_SECONDS, and at once when a publish is
-about to wait.
+The bound. Publishes are admitted while the share (as this host sees it, having just read the
+others' journals) stays under the high watermark (95 %); the rest of the capacity is the room
+for what other hosts publish before this host can know of it: what they published and have not
+journaled (at most UNJOURNALED, 1 % of the capacity each: past it their publishes wait for the
+journal write) and what they admitted and have not published yet (their writers' chunks in
+flight). The lease holder evicts for its own publishes there and then, and sweeps from
+SWEEP_AT (92.5 %) down to the low watermark (90 %); another host waits (within half the
+deadline) for the holder's evictions to reach it, else the publish fails with ENOSPC.
 
 Every journal and lease operation runs in the I/O pool; the loops that wait on them never hold
 up a request (a request waits on them only through ``admit``, within its deadline).
@@ -56,6 +58,9 @@ SWEEP_SECONDS = 0.5  # the lease holder looks at the share's usage this often
 # what the other hosts publish meanwhile (unseen until their journals are read). The sweeper
 # starts halfway between the watermarks, so that every publish waiting for room gets it.
 SWEEP_AT = (LOW_WATERMARK + HIGH_WATERMARK) / 2
+# What one host may have published and not yet journaled, as a share of the capacity: the
+# journal is written at once past it, and publishes wait for that write.
+UNJOURNALED = 0.01
 CLOCK_AHEAD = 60.0  # seconds another host's records may be ahead of our clock (else clamped)
 
 
@@ -75,6 +80,7 @@ class Share:
         self.tails: dict[str, journal.Tail] = {}
         self.pending: list[bytes] = []
         self.pending_published = 0  # bytes of the pending P lines
+        self.flushing = 0  # bytes of the P lines being written
         self.phantoms = 0  # paths the journals said were there and were not
         self.dropped = 0  # nodes dropped because the journals said their chunk went
         self.swept = 0  # chunks this host evicted as the share's sweeper
@@ -140,6 +146,11 @@ class Share:
 
     # -- what this host did (on the loop) ----------------------------------------------------
 
+    @property
+    def unjournaled(self) -> int:
+        """Bytes this host published that its journal does not hold yet."""
+        return self.pending_published + self.flushing
+
     def _now(self) -> int:
         """A stamp for a record: the wall clock, strictly increasing at this host (an E and
         the P that follows it in one rename must not share a stamp)."""
@@ -154,7 +165,8 @@ class Share:
         self.pending_published += on_disk(size)
         capacity = self.objects.evictor.capacity
         if (
-            self.pending_published >= 0.01 * capacity or self.view.used > LOW_WATERMARK * capacity
+            self.pending_published >= UNJOURNALED * capacity
+            or self.view.used > LOW_WATERMARK * capacity
         ):  # near the bound, the others must hear of it now
             self._flush_soon()
         sweep = getattr(self, "_sweep_wanted", None)
@@ -205,6 +217,7 @@ class Share:
     def start(self, nursery: trio.Nursery) -> None:
         self.changed = trio.Event()
         self._flush_wanted = trio.Event()
+        self._flushed = trio.Event()
         self._tail_wanted = trio.Event()
         self._sweep_wanted = trio.Event()
         self._tail_lock = trio.Lock()
@@ -234,8 +247,9 @@ class Share:
     async def flush(self) -> None:
         if not self.pending:
             return
-        batch = b"".join(self.pending)
+        batch, published = b"".join(self.pending), self.pending_published
         self.pending, self.pending_published = [], 0
+        self.flushing += published
         try:
             # The read queue: a small write that must not wait behind chunks being written
             await self._io(Queue.READ, "journal write", self.writer.append, batch)
@@ -243,7 +257,12 @@ class Share:
             self.write_failures += 1
             log.warning("share: journal write failed (%s): retried with the next batch", err)
             self.pending.insert(0, batch)
+            self.pending_published += published
             return
+        finally:
+            self.flushing -= published
+            self._flushed.set()
+            self._flushed = trio.Event()
         if self.writer.size > journal.COMPACT_BYTES:
             lines = list(self.view.snapshot(self.host))
             try:
@@ -433,8 +452,18 @@ class Share:
             # the share is below where the sweeper starts (it would not make more room).
             return self.lease.holding() or used > SWEEP_AT * evictor.capacity
 
-        await self.refresh()  # what the others published up to now: no lag at the bound
         deadline = trio.current_time() + self.objects.cfg.io_timeout / 2
+        # What this host published and the others cannot know yet stays under 1 % of the
+        # capacity: past it, a publish waits for the journal write.
+        allowance = UNJOURNALED * evictor.capacity
+        while self.unjournaled and self.unjournaled + need > allowance:
+            flushed = self._flushed
+            self._flush_soon()
+            with trio.move_on_at(deadline):
+                await flushed.wait()
+            if trio.current_time() >= deadline:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        await self.refresh()  # what the others published up to now: no lag at the bound
         waited = False
         while over():
             if self.lease.holding():
