@@ -410,7 +410,8 @@ class Tail:
         self._drain(records)
         try:
             st = os.lstat(path)
-        except FileNotFoundError:
+        except FileNotFoundError:  # removed (a host gone for good): let its space go
+            self.close()
             return records
         if st.st_ino != self.ino:  # compacted: the old log was drained above
             after = self.generation
