@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import threading
 import time
 import urllib.request
@@ -511,3 +512,13 @@ def test_the_share_in_metrics(tmp_path: Path) -> None:
         assert 0 <= metrics["kvfs_share_journal_lag_seconds"] < 30
         assert metrics["kvfs_capacity_bytes"] == 4 << 20
         assert metrics["kvfs_used_bytes"] == 12288  # the share's, not this host's own 0
+        guide = (Path(__file__).parent.parent / "docs" / "guide.md").read_text()
+        section = guide[guide.index("## Metrics") :].split("\n## ")[0]
+        listed = set(re.findall(r"`(kvfs_share_[a-z_]+)", section))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        exported = {
+            f.name + "_total" if f.type == "counter" else f.name
+            for f in text_string_to_metric_families(text.decode())
+            if f.name.startswith("kvfs_share_")
+        }
+        assert listed == exported  # the guide names every share metric, and no other
