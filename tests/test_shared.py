@@ -8,6 +8,8 @@ import contextlib
 import json
 import os
 import re
+import shutil
+import subprocess
 import threading
 import time
 import urllib.request
@@ -213,12 +215,20 @@ def share_bytes(backing: Path) -> int:
 
 @contextlib.contextmanager
 def fleet(
-    tmp: Path, names: tuple[str, ...], *options: str, first: tuple[str, ...] = ()
+    tmp: Path,
+    names: tuple[str, ...],
+    *options: str,
+    first: tuple[str, ...] = (),
+    backings: list[Path] | None = None,
 ) -> Iterator[list[Mount]]:
     """Daemons for ``names`` on one backing directory (``first``: options of the first
-    alone), always unmounted."""
-    (tmp / "backing").mkdir()
-    mounts = [shared_mount(tmp, tmp / "backing", name) for name in names]
+    alone; ``backings``: each host's path to it), always unmounted."""
+    if backings is None:
+        (tmp / "backing").mkdir()
+        backings = [tmp / "backing"] * len(names)
+    mounts = [
+        shared_mount(tmp, backing, name) for name, backing in zip(names, backings, strict=True)
+    ]
     for i, mount in enumerate(mounts):
         own = first if i == 0 else ()
         mount.options = (*mount.options, "--lease-ttl", str(TTL), *options, *own)
@@ -522,3 +532,112 @@ def test_the_share_in_metrics(tmp_path: Path) -> None:
             if f.name.startswith("kvfs_share_")
         }
         assert listed == exported  # the guide names every share metric, and no other
+
+
+# -- a real shared filesystem: sshfs over a loopback sshd -------------------------------------
+
+SSHD, SSHFS = Path("/usr/sbin/sshd"), shutil.which("sshfs")
+
+
+@pytest.fixture(scope="module")
+def sshfs_share(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
+    """One directory served by a loopback sshd, mounted twice with sshfs (two SFTP sessions:
+    two clients, as two hosts would have), no client caching (the journals, the lease and
+    the names must be seen as the other client writes them, like NFS with actimeo=0)."""
+    if not SSHD.exists() or SSHFS is None:
+        pytest.skip("no sshd or sshfs (make apt installs them)")
+    tmp = tmp_path_factory.mktemp("sshfs")
+    (tmp / "remote").mkdir()
+    for key in ("host", "client"):
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / key)], check=True
+        )
+    port = free_port()
+    (tmp / "sshd_config").write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {tmp / 'host'}\n"
+        f"AuthorizedKeysFile {tmp / 'client.pub'}\nPermitRootLogin prohibit-password\n"
+        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
+        f"PidFile {tmp / 'sshd.pid'}\nSubsystem sftp internal-sftp\nStrictModes no\n"
+    )
+    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege separation directory
+    sshd = subprocess.Popen(
+        [str(SSHD), "-D", "-f", str(tmp / "sshd_config"), "-E", str(tmp / "sshd.log")]
+    )
+    clients: list[Path] = []
+    try:
+        options = (
+            f"IdentityFile={tmp / 'client'},StrictHostKeyChecking=no,"
+            "UserKnownHostsFile=/dev/null,cache=no,attr_timeout=0,entry_timeout=0,"
+            "negative_timeout=0"
+        )
+        for host in ("a", "b"):
+            client = tmp / f"client-{host}"
+            client.mkdir()
+            remote = f"root@127.0.0.1:{tmp / 'remote'}"
+            for _ in range(100):  # until sshd listens
+                done = subprocess.run(
+                    [SSHFS, "-p", str(port), "-o", options, remote, str(client)],
+                    capture_output=True,
+                    text=True,
+                )
+                if done.returncode == 0:
+                    break
+                time.sleep(0.1)
+            assert done.returncode == 0, done.stderr
+            clients.append(client)
+        yield clients
+    finally:
+        for client in clients:
+            subprocess.run(["fusermount3", "-u", "-z", str(client)], check=False)
+        sshd.terminate()
+        sshd.wait(timeout=30)
+
+
+def test_two_hosts_over_sshfs_share_one_cache_and_one_capacity(
+    tmp_path: Path, sshfs_share: list[Path]
+) -> None:
+    """What sshfs proves: link() takes a name atomically (EEXIST) across two SFTP clients,
+    O_APPEND journals are read whole by the other client, renames are atomic; it has no user
+    xattrs (checksums stay in memory, pins are refused), so it shows the share's coordination
+    working without them."""
+    capacity = 4 << 20
+    with fleet(tmp_path, ("a", "b"), "--capacity", "4M", backings=sshfs_share) as (a, b):
+        data = os.urandom(CHUNK)
+        write(a, "hit/x.bin", data)
+        assert (b.path / "hit/x.bin").read_bytes() == data  # found through b's own client
+        (a.path / "race").mkdir()
+        with open(a.path / "race/n.bin", "wb") as fa, open(b.path / "race/n.bin", "wb") as fb:
+            fa.write(b"a" * 5000)
+            fb.write(b"b" * 5000)
+            fa.close()
+            a.settle()
+        b.settle()
+        assert (sshfs_share[0] / "race/n.bin").read_bytes() == b"a" * 5000
+        assert counters(b)["publish_conflicts"] == 1
+        failures: list[OSError] = []
+        (a.path / "wa").mkdir()
+        (b.path / "wb").mkdir()
+        writers = [
+            threading.Thread(target=write_chunks, args=(m, f"{d}/c", 16, failures))
+            for m, d in ((a, "wa"), (b, "wb"))
+        ]
+        for writer in writers:
+            writer.start()
+        for writer in writers:
+            writer.join()
+        a.settle()
+        b.settle()
+        wait_for("the hosts agree", lambda: share(a)["used"] == share(b)["used"], timeout=120)
+        final = share_bytes(sshfs_share[0])
+        print(f"sshfs: {final / capacity:.3f} of the capacity, {len(failures)} refused")
+        assert final <= 1.05 * capacity and not failures
+        assert share(a)["used"] == final
+        swept = sum(share(m)["swept"] for m in (a, b))
+        assert swept >= (32 * CHUNK - capacity) // CHUNK
+        gone = next(
+            f"wa/c{i:03d}.bin"
+            for i in range(16)
+            if not (sshfs_share[0] / f"wa/c{i:03d}.bin").exists()
+        )
+        with pytest.raises(FileNotFoundError):  # evicted: a miss on both hosts, not EIO
+            (b.path / gone).read_bytes()
