@@ -20,7 +20,7 @@ MOUNT_TESTS := tests/test_posix.py tests/test_posix_special.py tests/test_publis
 	tests/test_failures.py tests/test_inspect.py tests/test_daemon_death.py \
 	tests/test_crash_loop.py tests/test_observability.py tests/test_deployment.py \
 	tests/test_batch_lookup.py tests/test_kvfs_tier.py tests/test_vllm_engine.py \
-	tests/test_shared.py tests/test_fs_tier.py tests/test_vllm_interop.py
+	tests/test_shared.py tests/test_fs_tier.py tests/test_vllm_interop.py tests/test_vllm_spec.py
 
 test: apt $(VENV)/.test lint
 	$(PY) -m pytest -q
@@ -49,7 +49,7 @@ $(VENV)/.mount: pyproject.toml | $(VENV)/bin/python
 # vLLM's own fs-tier code for the interop tests: its import-time packages, then vLLM itself
 # without its dependency list (which would pull a CUDA build of torch).
 $(VENV)/.test: pyproject.toml requirements/vllm.txt $(VENV)/.mount
-	$(VENV)/bin/pip install -q -e '.[mount,connector,dev]' $(TORCH) -r requirements/vllm.txt
+	$(VENV)/bin/pip install -q -e '.[mount,connector,p2p,dev]' $(TORCH) -r requirements/vllm.txt
 	$(VENV)/bin/pip install -q --no-deps $(VLLM)
 	touch $@
 

@@ -30,7 +30,13 @@ from prometheus_client import start_http_server
 from kvfs.connector.config import ConnectorConfig
 from kvfs.connector.metrics import ConnectorMetrics
 from kvfs.connector.tiers import create_tier, tier_class
-from kvfs.connector.tiers.base import LookupResult, SecondaryTier, TierContext, TransferJob
+from kvfs.connector.tiers.base import (
+    HostAccess,
+    LookupResult,
+    SecondaryTier,
+    TierContext,
+    TransferJob,
+)
 from kvfs.host_cache import HostCache, Lookup
 from kvfs.keys import split_offload_key
 from kvfs.kv_events import EventPublisher
@@ -71,6 +77,18 @@ class LoadPlan:
     sources: list[str]  # the tier each chunk came from ("host" if it was there already)
 
 
+class _HostAccess(HostAccess):
+    def __init__(self, host: HostCache) -> None:
+        self._host = host
+
+    def pin_ready(self, keys: Sequence[bytes]) -> dict[bytes, int]:
+        ready = [k for k in dict.fromkeys(keys) if self._host.lookup(k) is Lookup.HIT]
+        return dict(zip(ready, self._host.pin(ready), strict=True))
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        self._host.unpin(keys)
+
+
 class TieringManager:
     def __init__(
         self,
@@ -83,6 +101,7 @@ class TieringManager:
         self.chunk_bytes = host_view.strides[0]
         self.num_slots = host_view.shape[0]
         self.host = HostCache(self.num_slots, config.eviction_policy)
+        self._host_access = _HostAccess(self.host)
         self.metrics = metrics or ConnectorMetrics()
         self.tiers: list[SecondaryTier] = []
         try:
@@ -233,6 +252,8 @@ class TieringManager:
         if not success or not keys:
             return
         for index, tier in enumerate(self.tiers):
+            if not tier.accepts_stores:
+                continue
             if self._pending_stores[index] + len(keys) > self.config.max_pending_stores:
                 self.metrics.dropped.labels(tier.name).inc(len(keys))
                 continue
@@ -270,6 +291,7 @@ class TieringManager:
                 self._finish_promotion(index, keys, set())
         self._to_promote.clear()
         for tier in self.tiers:
+            tier.serve_peers(self._host_access)
             tier.on_schedule_end()
         stale = time.monotonic() - 4 * self.config.lookup_timeout_s
         self._asking = {k: t for k, t in self._asking.items() if t > stale}

@@ -68,14 +68,30 @@ class BatchedLookups(AsyncLookupManager):
 class KvfsTier(FileSystemTierManager):
     """vLLM's fs tier on a kvfs mount, with batched lookups (see the module's docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        root_dir: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        # Checked before the fs tier's __init__ makes directories and config.json under it:
+        # a missing mount must not fill the root disk.
+        if not isinstance(root_dir, str) or not root_dir:
+            raise ValueError(
+                f"KvfsTier needs 'root_dir', a path on a kvfs mount (got {root_dir!r})"
+            )
+        mount = proto.lookup_mount(root_dir)
+        if mount is None:  # the fs tier is the one for a plain directory
+            raise ValueError(
+                f"KvfsTier: root_dir {root_dir} is not on a kvfs mount (mount one with "
+                f"`kvfs mount MOUNTPOINT`, or use vLLM's 'fs' tier for a plain directory)"
+            )
+        super().__init__(offloading_spec, primary_kv_view, tier_type, root_dir, **kwargs)
         self._lookup_manager.shutdown()  # the fs tier's own: replaced before any lookup
         mapper = self.file_mapper
         prefix = f"{mapper.base_path}_r{mapper.rank}"
-        mount = proto.lookup_mount(os.path.dirname(mapper.base_path))
-        if mount is None:  # the fs tier is the one for a plain directory
-            raise ValueError(f"{mapper.base_path} is not on a kvfs mount")
         self.lookups = proto.LookupClient(mount)
         # Relative to the mount, symlinks resolved (the mount's lookup follows none).
         real = Path(os.path.realpath(os.path.dirname(prefix))) / os.path.basename(prefix)

@@ -130,6 +130,13 @@ LOOKUP_MISS = ord("0")
 def lookup_requests(base: str, names: Iterable[str]) -> Iterable[bytes]:
     """The requests that ask for ``names`` under ``base``: one unless they exceed the limit."""
     head = os.fsencode(base) + b"\n"
+    names = names if isinstance(names, list) else list(names)
+    body = os.fsencode("\n".join(names))
+    # The usual case, in a few C passes: it fits, and no name holds a newline (the joined
+    # body would hold more than one between each two names).
+    if len(head) + len(body) <= LOOKUP_MAX_REQUEST and body.count(b"\n") == len(names) - 1:
+        yield head + body
+        return
     batch: list[bytes] = []
     size = len(head)
     for name in names:
@@ -160,7 +167,7 @@ def ask(fd: int, base: str, names: list[str]) -> list[bool]:
             if not part:
                 raise OSError(f"batched lookup: {len(answer)} answers of {asked}")
             answer += part
-        found.extend(byte == LOOKUP_HIT for byte in answer)
+        found.extend(map(LOOKUP_HIT.__eq__, answer))
     return found
 
 

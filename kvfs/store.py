@@ -296,10 +296,23 @@ class BackingStore:
         gid: int,
         times_ns: tuple[int, int],
         durable: bool,
-    ) -> tuple[Published, tuple[int, int, int]]:
+        direct: bool = False,
+        unchanged_since: tuple[int, int, int] | None = None,
+    ) -> tuple[Published, tuple[int, int, int]] | None:
         """Checksum a temp file as it is now and set its attributes: the file and its version
-        (size, mtime, ctime after sealing: any later write changes it)."""
-        digest, size = checksum.of_file(fd)
+        (size, mtime, ctime after sealing: any later write changes it). ``direct``: it was
+        written past the page cache (O_DIRECT), so it is read back that way, not faulted in
+        page by page. None, touching nothing, if its version is no longer ``unchanged_since``."""
+        if unchanged_since is not None and self.version(fd) != unchanged_since:
+            return None
+        if direct and self.direct_io:
+            reader = os.open(self.abs(rel), os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            try:
+                digest, size = checksum.of_file_direct(reader)
+            finally:
+                os.close(reader)
+        else:
+            digest, size = checksum.of_file(fd)
         blocks = self._finish(fd, digest, mode, uid, gid, times_ns, durable)
         return Published(rel, size, blocks, digest), self.version(fd)
 

@@ -11,7 +11,6 @@ import sys
 from functools import partial
 from pathlib import Path
 
-import pyfuse3
 import trio
 import zmq
 
@@ -75,7 +74,14 @@ def fuse_options(cfg: MountConfig) -> set[str]:
     The backing directory is the source ``df`` and ``findmnt`` show (the type says fuse.kvfs).
     """
     own = {f"fsname={fsname(cfg.backing)}", "subtype=kvfs", "noatime"}
-    return set(pyfuse3.default_options) | own | set(cfg.fuse_options)
+    if os.geteuid() != 0 or "allow_other" in cfg.fuse_options:
+        own.add("default_permissions")  # the kernel checks mode bits: pyfuse3's default
+    # Else only root's processes reach the mount, and mode bits do not restrict root: without
+    # default_permissions the kernel skips the attribute round trips it would make to check
+    # them (a GETATTR of the directory after each create or rename, of a file after its
+    # publish), and an engine's access() of a chunk it stored is answered from the kernel's
+    # cache. access() itself answers ENOSYS: the kernel then stops asking (ACCESS).
+    return own | set(cfg.fuse_options)
 
 
 def fsname(backing: Path) -> str:

@@ -30,7 +30,7 @@ import os
 import stat
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import partial
@@ -192,6 +192,7 @@ class WriteState:
     prepared: Prepared | None = None
     failed: int | None = None  # errno of a failed write or close: it is never published
     abandoned: bool = False  # its writer was killed with the file open: never published
+    direct: bool = False  # a passthrough writer opened it O_DIRECT: its bytes skip the page cache
 
     def changed(self) -> None:
         self.dirty = True
@@ -627,10 +628,12 @@ class Objects:
         owner: tuple[int, int],
         exclusive: bool,
         passthrough: bool = False,
+        direct: bool = False,
     ) -> tuple[Node, bool]:
         """A new empty file open for writing (visible at once, published at its last release),
         or the existing one, not opened; True if it was created. ``passthrough``: the kernel
-        writes it into its temp file (``passthrough_fd``), not the daemon into a buffer."""
+        writes it into its temp file (``passthrough_fd``), not the daemon into a buffer;
+        ``direct``: with O_DIRECT, as the writer opened it."""
 
         async def op() -> tuple[Node, bool]:
             # Under the lock: mkdir/rename/rmdir check a name, await the disk, then change the
@@ -643,7 +646,7 @@ class Objects:
                     return existing, False
                 if not parent.attached:
                     raise fail(errno.ENOENT)
-                ws = WriteState(ChunkBuffer(self.extents), writers=1)
+                ws = WriteState(ChunkBuffer(self.extents), writers=1, direct=direct)
                 if passthrough:
                     ws.file = await self._new_tmp(mode)
                 node = self.index.new_node(name, stat.S_IFREG | mode, *owner)
@@ -843,19 +846,37 @@ class Objects:
                 published = await self._write_tmp(ws.buffer, attrs, durable)
                 prepared = dataclasses.replace(prepared, published=published)
             elif durable:  # fsync: checksummed and flushed now, not at the publish
-                prepared = await self._seal(ws.file, prepared)
+                sealed = await self._seal(ws, prepared)
+                assert sealed is not None  # (unchecked: it always seals)
+                prepared = sealed
         except BaseException:
             self.evictor.release(held)
             raise
         ws.prepared = prepared
 
-    async def _seal(self, file: TmpFile, prepared: Prepared) -> Prepared:
+    async def _seal(
+        self, ws: WriteState, prepared: Prepared, check: bool = False
+    ) -> Prepared | None:
         """Checksum a passthrough file as it is now and give it its attributes; sealing changes
-        its ctime, so the version is the one after."""
+        its ctime, so the version is the one after. ``check``: None, nothing done, if the file
+        changed since ``prepared`` was made (in the same trip to the I/O pool)."""
+        assert ws.file is not None
         mode, uid, gid, times = prepared.attrs
-        published, version = await self.io.write(
-            self.store.seal_tmp, file.rel, file.fd, mode, uid, gid, times, prepared.durable
+        sealed = await self.io.write(
+            self.store.seal_tmp,
+            ws.file.rel,
+            ws.file.fd,
+            mode,
+            uid,
+            gid,
+            times,
+            prepared.durable,
+            ws.direct,
+            prepared.version if check else None,
         )
+        if sealed is None:
+            return None
+        published, version = sealed
         return dataclasses.replace(prepared, published=published, version=version)
 
     async def _version(self, ws: WriteState) -> Any:
@@ -890,15 +911,20 @@ class Objects:
             if prepared is not None:
                 self._discard(ws, prepared)
             return
-        if prepared.version != await self._version(ws):  # changed after its close (mmap)
-            self._discard(ws, prepared)
-            log.info("%s not published: changed after its last close", self._name(node))
-            return
         try:
             if prepared.published is None:  # a passthrough file: checksummed at its publish
-                assert ws.file is not None
-                attrs = self._file_attrs(node)  # a chmod or touch after its close holds
-                prepared = await self._seal(ws.file, dataclasses.replace(prepared, attrs=attrs))
+                # a chmod or touch after its close holds; one trip checks and seals
+                attrs = self._file_attrs(node)
+                sealed = await self._seal(ws, dataclasses.replace(prepared, attrs=attrs), True)
+            elif prepared.version == await self._version(ws):
+                sealed = prepared
+            else:
+                sealed = None
+            if sealed is None:  # changed after its close (mmap); the room: released below
+                self._discard_tmp(ws, prepared)
+                log.info("%s not published: changed after its last close", self._name(node))
+                return
+            prepared = sealed
             rewritten = await self._commit(node, ws, prepared)
         except OSError as err:  # its writer's close() succeeded: only the count and log tell
             self._failed(node, ws, err)
@@ -1217,6 +1243,72 @@ class Objects:
                         # no journal told us (not yet, or never): counted from now on
                         self.share.published(rel, node.size, node.last_read_ns)
                 return node
+
+        return await self.bounded(op)
+
+    async def fall_through_paths(self, rels: Sequence[bytes]) -> set[bytes]:
+        """``fall_through`` for many paths at once (a batched lookup's misses), in one trip to
+        the I/O pool: what the index lacks of each path is looked for on the shared backing
+        directory, and a file found there joins the index with the directories above it.
+        Returns the paths that are files now."""
+        if self.store.host is None:
+            return set()
+        # Per path: the deepest node the index knows on it, and the components below it.
+        todo: list[tuple[Node, bytes, list[bytes]]] = []
+        for rel in rels:
+            node, parts = self.index.root, rel.split(b"/")
+            if not parts or layout.is_reserved(True, parts[0]):
+                continue
+            depth = 0
+            while depth < len(parts) and node.children is not None:
+                child = node.children.get(parts[depth])
+                if child is None:
+                    break
+                node, depth = child, depth + 1
+            if depth < len(parts) and node.children is not None:
+                todo.append((node, self.index.path(node), parts[depth:]))
+        if not todo:
+            return set()
+
+        def probe_all() -> list[list[Found]]:
+            seen: dict[bytes, Found | None] = {}
+            out = []
+            for _, above, parts in todo:
+                found: list[Found] = []
+                for part in parts:
+                    above = os.path.join(above, part)
+                    if above not in seen:
+                        seen[above] = self.store.probe(above)
+                    hit = seen[above]
+                    if hit is None:
+                        break
+                    found.append(hit)
+                    if not stat.S_ISDIR(hit.st.st_mode):
+                        break
+                out.append(found)
+            return out
+
+        async def op() -> set[bytes]:
+            probed = await self.io.read(probe_all)
+            files = set()
+            async with self._ns:  # creates, renames and lookups meanwhile win
+                for (node, above, parts), found in zip(todo, probed, strict=True):
+                    if not node.attached or self.index.path(node) != above:
+                        continue  # it moved meanwhile: the client asks again
+                    walked = 0
+                    for part, hit in zip(parts, found, strict=False):
+                        if node.children is None:
+                            break
+                        child = node.children.get(part)
+                        if child is None:
+                            self.counters.fell_through += 1
+                            child = shared.adopt(self.index, node, part, hit)
+                            if child.is_file:
+                                self.adopted.add(child.ino)
+                        node, walked = child, walked + 1
+                    if walked == len(parts) and node.is_file:
+                        files.add(os.path.join(above, *parts))
+            return files
 
         return await self.bounded(op)
 

@@ -223,10 +223,6 @@ class KvfsOperations(pyfuse3.Operations):
             return control.attrs(inode, self.cfg.cache_timeout)
         return self._attrs(self._node(inode))
 
-    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
-        self._node(inode)
-        return True  # permissions are checked by the kernel (default_permissions)
-
     async def mkdir(
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
@@ -344,8 +340,9 @@ class KvfsOperations(pyfuse3.Operations):
         owner = self._owner(parent, ctx)
         exclusive = bool(flags & os.O_EXCL)
         passthrough = sessions.passthrough(self.session)  # the kernel writes it, not us
+        direct = bool(flags & os.O_DIRECT)
         node, created = await self.objects.create(
-            parent, name, self._masked(mode), owner, exclusive, passthrough
+            parent, name, self._masked(mode), owner, exclusive, passthrough, direct
         )
         if not created:
             return await self.open(node.ino, flags, ctx), self._entry(node)

@@ -234,7 +234,7 @@ def test_a_caller_needs_search_permission_on_every_directory(public_mount: Mount
     (public_mount.path / "private" / "d" / "a.bin").write_bytes(b"kv")
     (public_mount.path / "private").chmod(0o700)
 
-    def as_other(base: str) -> str:
+    def as_other(base: str, names: tuple[str, ...] | list[str] = ("d/a.bin", "d/b.bin")) -> str:
         """batch_lookup in a child that became user nobody (no exec: the interpreter lies
         under root's private home)."""
         read_end, write_end = os.pipe()
@@ -245,7 +245,7 @@ def test_a_caller_needs_search_permission_on_every_directory(public_mount: Mount
                 os.setresgid(NOBODY, NOBODY, NOBODY)
                 os.setresuid(NOBODY, NOBODY, NOBODY)
                 try:
-                    out = str(proto.batch_lookup(public_mount.path, base, ["d/a.bin", "d/b.bin"]))
+                    out = str(proto.batch_lookup(public_mount.path, base, list(names)))
                 except OSError as err:
                     out = str(err.errno)
                 os.write(write_end, out.encode())
@@ -260,5 +260,21 @@ def test_a_caller_needs_search_permission_on_every_directory(public_mount: Mount
     assert as_other("open") == "[True, False]"
     assert as_other("private") == str(errno.EACCES)
     assert as_other("") == "[False, False]"  # "d" is not in the root
+    # A directory inside the names is searched as the base is: EACCES, not a miss.
+    assert as_other("", ["open/d/a.bin", "private/d/a.bin"]) == str(errno.EACCES)
+    assert as_other("", ["open/d/a.bin", "open/e/a.bin"]) == "[True, False]"
     # The owner (root) walks anywhere, as the kernel would let it.
     assert proto.batch_lookup(public_mount.path, "private", ["d/a.bin"]) == [True]
+
+
+def test_requests_split_under_the_limit_and_refuse_a_newline_in_a_name() -> None:
+    names = [f"{i:03x}/{i % 256:02x}_g0/{'ab' * 32}{i}.bin" for i in range(300_000)]
+    requests = list(proto.lookup_requests("ns_r0", names))
+    assert len(requests) > 1
+    assert all(len(r) <= proto.LOOKUP_MAX_REQUEST for r in requests)
+    assert all(r.startswith(b"ns_r0\n") for r in requests)
+    assert [n for r in requests for n in r.split(b"\n")[1:]] == [n.encode() for n in names]
+    assert list(proto.lookup_requests("", ["a.bin"])) == [b"\na.bin"]
+    for bad in (["a.bin", "b\nc.bin"], ["a.bin\n"], ["\n"]):
+        with pytest.raises(ValueError, match="newline"):
+            list(proto.lookup_requests("ns_r0", bad))

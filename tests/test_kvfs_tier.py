@@ -185,3 +185,4 @@ def test_a_corrupt_chunk_fails_its_load_and_becomes_a_miss(
 def test_a_root_off_any_kvfs_mount_is_refused(tmp_path: Path, region: vllm_tier.HostRegion) -> None:
     with pytest.raises(ValueError, match="not on a kvfs mount"):
         kvfs_tier(tmp_path / "plain", region)
+    assert not (tmp_path / "plain").exists()  # refused before vLLM's fs tier made anything

@@ -106,6 +106,25 @@ def test_metrics_deltas_match_a_known_workload(observed_mount: tuple[Mount, int,
     assert after["kvfs_capacity_bytes"] > 0 and "kvfs_checksum_failures_total" in after
 
 
+def test_an_engine_checking_chunks_it_stored_asks_the_daemon_nothing(
+    observed_mount: tuple[Mount, int, int],
+) -> None:
+    """vLLM's lookup is access(F_OK); on a root mount (no mode checks to make) the kernel
+    answers it for a chunk it saw stored from its own caches, as a plain directory's would."""
+    mount, port, _ = observed_mount
+    paths = [vllm_io.chunk_path(str(mount.path), k) for k in range(5)]
+    for key, path in enumerate(paths):
+        vllm_io.store(path, vllm_io.chunk_bytes(key, CHUNK))
+    mount.settle()
+    asked = ("lookup", "getattr")
+    before = scrape(port)
+    assert all(os.access(path, os.F_OK) for path in paths)
+    after = scrape(port)
+    for operation in asked:
+        name = f'kvfs_operation_duration_seconds_count{{operation="{operation}"}}'
+        assert after.get(name, 0) == before.get(name, 0), operation
+
+
 # -- issue 14, item 9: what a dashboard needs ------------------------------------------------
 
 

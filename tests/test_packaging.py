@@ -14,13 +14,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 # Imported by a dependency, not by kvfs's own code, and needed all the same.
-INDIRECT = {"connector": {"numpy"}}  # torch warns and cannot convert tensors without it
+INDIRECT = {
+    "connector": {"numpy"},  # torch warns and cannot convert tensors without it
+    "p2p": {"nixl-cu12"},  # imported by name at run time (connector/nixl_data.py)
+}
 # Modules that run only inside a vLLM process (its plugins): the vllm extra's, not connector's.
 VLLM_PLUGINS = {"connector/vllm_tier.py"}
 FILES = {
     "mount": ("kvfs/*.py", "mount/*.py"),
     "connector": ("kvfs/*.py", "connector/*.py"),
     "vllm": ("kvfs/*.py", *VLLM_PLUGINS),
+    "p2p": ("kvfs/p2p_protocol.py", "connector/nixl_data.py", "connector/tiers/p2p.py"),
 }
 
 
@@ -70,7 +74,7 @@ def declared(extra: str) -> set[str]:
     return {_normal(re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0]) for spec in specs}
 
 
-@pytest.mark.parametrize("extra", ["mount", "connector", "vllm"])
+@pytest.mark.parametrize("extra", ["mount", "connector", "vllm", "p2p"])
 def test_each_extra_declares_what_its_code_imports(extra: str) -> None:
     needed = imported_distributions(extra) | INDIRECT.get(extra, set())
     assert needed - declared(extra) == set()

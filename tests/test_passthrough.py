@@ -109,6 +109,27 @@ def test_a_file_written_in_passthrough_is_published_whole_with_its_checksum(
     assert not os.listdir(passthrough_mount.backing / ".kvfs" / "tmp")
 
 
+def test_a_file_written_with_o_direct_is_checksummed_as_the_disk_holds_it(
+    passthrough_mount: Mount,
+) -> None:
+    """An O_DIRECT writer's bytes skip the page cache (the kernel opens the backing file with
+    the writer's flags), so the publish reads them back O_DIRECT; a second, buffered writer's
+    tail, still dirty in the page cache then, is in the checksum too."""
+    path = passthrough_mount.path / "direct"
+    head, tail = vllm_io.chunk(7, 2 << 20), os.urandom(1000)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT, 0o644)
+    try:
+        assert os.write(fd, head) == len(head)
+        with open(path, "ab") as buffered:
+            buffered.write(tail)
+    finally:
+        os.close(fd)
+    data = bytes(head) + tail
+    backing = passthrough_mount.on_backing(path)
+    assert os.getxattr(backing, "user.kvfs.checksum") == checksum.checksum(data).encode()
+    assert vllm_io.load(str(path), len(data)) == data
+
+
 def test_a_rewrite_in_place_waits_for_the_readers_that_pass_through(
     passthrough_mount: Mount,
 ) -> None:

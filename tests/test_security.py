@@ -254,7 +254,7 @@ def test_other_users_cannot_reach_the_mount_by_default(
     mount = make_mount(public_dir)
     mount.path.chmod(0o755)
     stop_after.append(mount.start())
-    assert "allow_other" not in fuse_super_options(mount.path)
+    assert not {"allow_other", "default_permissions"} & fuse_super_options(mount.path)
     denied = as_nobody("ls", str(mount.path))
     assert denied.returncode != 0 and "Permission denied" in denied.stderr
 
@@ -264,6 +264,23 @@ def test_allow_other_when_asked(public_dir: Path, stop_after: list[Mount]) -> No
     mount.path.chmod(0o755)
     stop_after.append(mount.start())
     assert {"allow_other", "default_permissions"} <= fuse_super_options(mount.path)
+    assert as_nobody("ls", str(mount.path)).returncode == 0
+
+
+def test_allow_other_brings_the_kernels_mode_checks(
+    public_dir: Path, stop_after: list[Mount]
+) -> None:
+    """Without allow_other only root reaches a root mount and kvfs leaves the mode bits out
+    (they do not restrict root); with it, other users meet them."""
+    mount = make_mount(public_dir, "-o", "allow_other")
+    mount.path.chmod(0o755)
+    stop_after.append(mount.start())
+    assert "default_permissions" in fuse_super_options(mount.path)
+    private = mount.path / "private"
+    private.write_bytes(b"model state")
+    private.chmod(0o600)
+    denied = as_nobody("cat", str(private))
+    assert denied.returncode != 0 and "Permission denied" in denied.stderr
     assert as_nobody("ls", str(mount.path)).returncode == 0
 
 

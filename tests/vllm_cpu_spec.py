@@ -20,6 +20,9 @@ Loaded through ``spec_module_path`` exactly as an out-of-tree spec is::
 
     {"spec_name": "CpuTieringOffloadingSpec", "spec_module_path": "tests.vllm_cpu_spec", ...}
 
+``CpuKvfsOffloadingSpec`` is kvfs's ``KvfsOffloadingSpec`` (kvfs/connector/vllm_spec.py) with
+the same CPU worker and nothing else changed: on a GPU the spec runs vLLM's CUDA worker as is.
+
 Pinned to vLLM 0.33.0: it reads private names of ``gpu_worker`` (``PRIVATE_NAMES``), which
 tests check before use (``missing_private_names``).
 """
@@ -44,6 +47,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu import gpu_worker
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from kvfs.connector.vllm_spec import KvfsOffloadingSpec
 
 # What this module uses of vLLM beyond its public classes (present in vLLM 0.33.0).
 PRIVATE_NAMES = {
@@ -269,3 +274,9 @@ class CpuTieringOffloadingSpec(TieringOffloadingSpec):
         if self._cpu_worker is None:
             self._cpu_worker = self.create_worker(kv_caches)
         return self._cpu_worker
+
+
+class CpuKvfsOffloadingSpec(KvfsOffloadingSpec, CpuTieringOffloadingSpec):
+    """kvfs's KvfsOffloadingSpec, its worker the CPU one above: the MRO puts
+    ``CpuTieringOffloadingSpec.get_worker`` / ``create_worker`` before vLLM's, and
+    ``KvfsOffloadingSpec`` defines neither, so everything else is kvfs's spec unchanged."""

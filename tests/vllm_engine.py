@@ -19,6 +19,9 @@ local model (a ``config.json`` only: no weights, no tokenizer, no network):
   ``/dev/shm`` host region as vLLM's workers do. Their outputs are merged by vLLM's
   ``KVOutputAggregator``, as the executor merges them.
 
+``device="cuda"`` puts the KV cache on the GPU (tools/gpu_check.py ``--vllm-spec``: vLLM's own
+CUDA worker); the CPU specs of tests/vllm_cpu_spec.py need ``"cpu"``.
+
 Each step runs the scheduler, then every worker's connector calls in the order of vLLM's
 ``KVConnectorModelRunnerMixin._get_kv_connector_output`` (no model forward: the "model" samples
 EOS at once), then ``Scheduler.update_from_output``.
@@ -154,6 +157,8 @@ class Engine:
         num_blocks: int = 64,
         host_chunks: int = 32,
         seed: int = 0,
+        extra_config: dict[str, Any] | None = None,
+        device: str = "cpu",
     ) -> None:
         from vllm.config import (
             CacheConfig,
@@ -191,19 +196,26 @@ class Engine:
         self.layout = LAYOUTS.get(layout, layout)
         self.layout_name = {v: k for k, v in LAYOUTS.items()}.get(self.layout, layout)
         self.blocks_per_chunk = blocks_per_chunk
+        if extra_config is not None:
+            assert extra_config.get("blocks_per_chunk", blocks_per_chunk) == blocks_per_chunk
         self.engine_id = f"kvfs-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         dtype = torch.bfloat16
         # host region size: room for host_chunks rows (a generous row: every layer, all heads)
         row = 2 * BLOCK_SIZE * HEAD_SIZE * dtype.itemsize * HEADS * NUM_LAYERS * blocks_per_chunk
-        self.extra_config: dict[str, Any] = {
+        default: dict[str, Any] = {
             "spec_name": "CpuTieringOffloadingSpec",
             "spec_module_path": "tests.vllm_cpu_spec",
-            "cpu_bytes_to_use": host_chunks * row,
             "canonical_layout": True,
-            "blocks_per_chunk": blocks_per_chunk,
             "secondary_tiers": [
                 {"type": "fs", "root_dir": str(root_dir), "n_read_threads": 2, "n_write_threads": 2}
             ],
+        }
+        # extra_config: another spec's config instead (the host size and chunk size stay the
+        # engine's unless it gives them)
+        self.extra_config: dict[str, Any] = {
+            "cpu_bytes_to_use": host_chunks * row,
+            "blocks_per_chunk": blocks_per_chunk,
+            **(default if extra_config is None else extra_config),
         }
 
         def vllm_config(rank: int) -> Any:
@@ -231,7 +243,7 @@ class Engine:
                     engine_id=self.engine_id,
                     kv_connector_extra_config=json.loads(json.dumps(self.extra_config)),
                 ),
-                device_config=DeviceConfig("cpu"),
+                device_config=DeviceConfig(device),
                 parallel_config=ParallelConfig(tensor_parallel_size=tp),
             )
             config.parallel_config.rank = rank
@@ -284,7 +296,7 @@ class Engine:
                 worker = OffloadingConnector(config, KVConnectorRole.WORKER, worker_configs[rank])
                 self.workers.append(worker)
                 kv = allocate_kv_cache(
-                    worker_configs[rank], torch.device("cpu"), KVCacheLayout[self.layout]
+                    worker_configs[rank], torch.device(device), KVCacheLayout[self.layout]
                 )
                 self._fill(kv, rank, seed)
                 worker.register_kv_caches(kv)
@@ -314,12 +326,12 @@ class Engine:
     def block_kv(self, layer: str, block_id: int) -> torch.Tensor:
         """All heads of one device block of one layer, [H, N, 2D] as int16 (bf16 bits: random
         bits hold NaNs, which torch.equal would call unequal)."""
-        return torch.cat([kv[layer][block_id].view(torch.int16) for kv in self.kv])
+        return torch.cat([kv[layer][block_id].view(torch.int16).cpu() for kv in self.kv])
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """All heads of every block, per layer: [B, H, N, 2D] int16 copies."""
         return {
-            name: torch.cat([kv[name].view(torch.int16) for kv in self.kv], dim=1).clone()
+            name: torch.cat([kv[name].view(torch.int16).cpu() for kv in self.kv], dim=1).clone()
             for name in LAYER_NAMES
         }
 
@@ -382,7 +394,8 @@ class Engine:
 
     @property
     def fs_tier(self) -> Any:
-        """vLLM's FileSystemTierManager under the manager."""
+        """The one secondary tier under the manager: vLLM's FileSystemTierManager (or
+        kvfs's KvfsTier, a subclass)."""
         [tier] = self.manager.secondary_tiers
         return tier
 

@@ -37,7 +37,7 @@ import sys
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,11 +201,23 @@ class SimEngine:
         self.hasher = BlockHasher("sha256_cbor", t)
         self._storing: dict[int, list[int]] = {}
 
-    def run(self, config: str, conversations: int, concurrency: int) -> RunResult:
+    def run(
+        self,
+        config: str,
+        conversations: int,
+        concurrency: int,
+        turns: Sequence[tuple[int, int]] | None = None,
+    ) -> RunResult:
+        """Every turn of ``conversations`` conversations, each after the one before; or, with
+        ``turns``, just those (conversation, turn) pairs (tools/bench_fleet.py deals them)."""
         w, t = self.workload, self.workload.tokens_per_block
-        streams = [_tokens(c, w.longest) for c in range(conversations)]
-        hashes = [self.hasher.block_hashes(s) for s in streams]
-        waiting: deque[tuple[int, int]] = deque((c, 0) for c in range(conversations))
+        streams = {c: self._stream(c) for c in range(conversations)}
+        if turns is not None:
+            streams = {c: self._stream(c) for c, _ in turns}
+        hashes = {c: self.hasher.block_hashes(s) for c, s in streams.items()}
+        waiting: deque[tuple[int, int]] = deque(
+            ((c, 0) for c in range(conversations)) if turns is None else turns
+        )
         active: list[Request] = []
         totals = dict.fromkeys(("device", "host", "fs", "recomputed"), 0)
         ttfts: list[float] = []
@@ -233,7 +245,7 @@ class SimEngine:
                 totals["recomputed"] += (
                     len(request.tokens) - (request.on_device + len(request.sources)) * t
                 )
-                if request.turn + 1 < w.turns:
+                if turns is None and request.turn + 1 < w.turns:
                     waiting.append((request.conversation, request.turn + 1))
             self._step(active)
             if not cost:
@@ -242,6 +254,17 @@ class SimEngine:
         return RunResult(
             config, conversations, seconds, prompt_tokens, totals, ttfts, self._bytes()
         )
+
+    def _stream(self, conversation: int) -> list[int]:
+        return _tokens(conversation, self.workload.longest)
+
+    def flush(self) -> None:
+        """Wait until every store has reached every tier (and free the blocks it held)."""
+        if self.connector is None:
+            return
+        for done in self.connector.drain():
+            for unit in self._storing.pop(done.job_id, []):
+                self.device.release(unit)
 
     def _lookup(self, request: Request) -> None:
         t = self.workload.tokens_per_block

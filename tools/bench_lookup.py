@@ -8,13 +8,14 @@ backing directory.
 Each step asks N first-time keys (half of them stored) of one request, through vLLM 0.33.0's
 own tier classes and lookup manager: the time runs from the first lookup() to the step whose
 lookups all answer (RETRY until then), the on_schedule_end() flush included. Every repeat uses
-keys no tier asked before (no cached verdict or kernel entry), each key set asked by the three
-tiers in turn. The chunks are made in the backing directory before the mount (empty files at
-vLLM's paths: a lookup reads none). It prints the median seconds per step and keys per second,
-and the ratios kvfs-tier/fs-on-mount and kvfs-tier/fs-on-plain-dir; ``--json`` prints one
-object. Under 2 minutes at the defaults, most of it vLLM's fs tier on the mount (~4k keys/s):
-``--keys 1000,10000,100000`` takes ~2.5 minutes, ``--sessions pyfuse3,kernel`` adds the kernel
-session (~4 minutes for both with 100k).
+keys no tier asked before (no cached verdict or kernel entry; each session its own), each key
+set asked by the three tiers in turn, so each row's three figures come from the same minutes.
+The chunks are made in the backing directory before the mount (empty files at vLLM's paths: a
+lookup reads none). It prints the median seconds per step and keys per second, and the ratios
+kvfs-tier/fs-on-mount and kvfs-tier/fs-on-plain-dir; ``--json`` prints one object. Under 2
+minutes at the defaults on a quiet machine, most of it vLLM's fs tier on the mount (~4k
+keys/s): ``--keys 1000,10000,100000`` takes ~2.5 minutes, ``--sessions pyfuse3,kernel`` adds
+the kernel session (~4 minutes for both with 100k).
 vLLM's fs tier uses its C batch_lookup when vllm.fs_io_C imports, else os.path.exists
 per key: the output says which ran. Run as root (it mounts).
 """
@@ -101,22 +102,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, dict[str, dict[int, list[float]]]] = {}
     try:
         begun = time.perf_counter()
-        sets = prepare(backing, sizes, args.repeats)
-        print(f"prepared {sum(sizes) * args.repeats} keys", file=sys.stderr)
+        # Keys of their own per session: first-time for all three tiers in each (the plain
+        # directory's dentries would be warm for keys an earlier session asked).
+        sets = {session: prepare(backing, sizes, args.repeats) for session in sessions}
+        print(f"prepared {sum(sizes) * args.repeats * len(sessions)} keys", file=sys.stderr)
         for session in sessions:
             mount = [*KVFS, "mount", str(mnt), "--backing", str(backing), "--session", session]
             subprocess.run(mount, check=True, stdout=sys.stderr)
             try:
-                # The same keys again under another session: the daemon and the kernel's
-                # caches are new with the mount; the plain directory is measured once.
-                kinds = TIERS if session == sessions[0] else TIERS[:2]
+                # The plain directory is measured in each session, interleaved with the
+                # mount, so that each row's ratios come from the same minutes.
                 tiers = {
                     kind: make_tier(kind, backing if kind == "fs_plain" else mnt, region)
-                    for kind in kinds
+                    for kind in TIERS
                 }
-                per = times.setdefault(session, {kind: {n: [] for n in sizes} for kind in kinds})
+                per = times.setdefault(session, {kind: {n: [] for n in sizes} for kind in TIERS})
                 try:
-                    for (n, _), (keys, expected) in sets.items():
+                    for (n, _), (keys, expected) in sets[session].items():
                         for kind, tier in tiers.items():
                             per[kind][n].append(one_step(tier, keys, expected))
                 finally:
@@ -133,12 +135,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def summarize(
     times: dict[str, dict[str, dict[int, list[float]]]], sizes: list[int], repeats: int, wall: float
 ) -> dict[str, Any]:
-    plain = next(iter(times.values()))["fs_plain"]
     rows = []
     for session, per in times.items():
         for n in sizes:
             median = {kind: statistics.median(per[kind][n]) for kind in per}
-            median["fs_plain"] = statistics.median(plain[n])
             rows.append(
                 {
                     "session": session,

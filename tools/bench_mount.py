@@ -14,9 +14,13 @@ kernel reads verified chunks straight from their backing files):
              daemon finds at mount it verifies at the first open, served, before passthrough)
 and, single-threaded as vLLM's lookup thread, access(F_OK) per second on just-stored keys
 (lookup_hit) and on keys never seen (lookup_miss), the first time each name is asked and again
-(``_repeat``: the kernel then answers from its entry cache). It prints medians over the repeats
-and mount/direct ratios; ``--json`` prints one object whose ``summary`` holds, per session, the
-median ratio per measure and the daemon's CPU seconds per GB it moved (stores and loads).
+(``_repeat``: the kernel then answers from its entry cache). The same lookups go to ``floor``
+too, where a C compiler and libfuse3's headers are at hand: tools/fuse_floor.c, the least any
+FUSE daemon can do (libfuse answering from memory), which shows what a round trip through
+/dev/fuse itself costs on this machine. It prints medians over the repeats and mount/direct
+ratios; ``--json`` prints one object whose ``summary`` holds, per session, the median ratio per
+measure and the daemon's CPU seconds per GB it moved (stores and loads), and the floor's
+lookup ratios.
 
 Every target uses O_DIRECT when vLLM's probe passes there, as vLLM would (``--o-direct`` overrides).
 Run as root (it drops the page cache and mounts).
@@ -36,8 +40,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +173,45 @@ def measure_lookups(target: Target, count: int, seed: int) -> dict[str, float]:
     return out
 
 
+@contextmanager
+def floor_daemon(base: Path, quiet: bool) -> Iterator[Path | None]:
+    """tools/fuse_floor.c built and mounted on ``base/floor``; None where it cannot be built."""
+    binary, mnt = base / "fuse_floor", base / "floor"
+    source = Path(__file__).with_name("fuse_floor.c")
+    try:
+        flags = subprocess.run(
+            ["pkg-config", "--cflags", "--libs", "fuse3"], check=True, capture_output=True
+        ).stdout.split()
+        subprocess.run(["cc", "-O2", "-o", binary, source, *flags], check=True)
+    except (OSError, subprocess.CalledProcessError) as err:
+        log(f"no floor measured: cannot build {source.name} ({err})", quiet)
+        yield None
+        return
+    mnt.mkdir()
+    daemon = subprocess.Popen([binary, mnt])
+    try:
+        deadline = time.monotonic() + 10
+        while not os.path.ismount(mnt) and daemon.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield mnt if os.path.ismount(mnt) else None
+    finally:
+        subprocess.run(["fusermount3", "-u", mnt], check=False, capture_output=True)
+        daemon.wait()
+
+
+def measure_floor(root: Path, count: int, seed: int) -> dict[str, float]:
+    """``measure_lookups`` on the floor daemon: its names need no store to exist."""
+    out = {}
+    for name, prefix, expect in (("lookup_hit", "h", True), ("lookup_miss", "m", False)):
+        paths = [f"{root}/{prefix}{seed}-{i}" for i in range(count)]
+        for suffix in ("", "_repeat"):
+            start = time.perf_counter()
+            found = sum(os.access(p, os.F_OK) for p in paths)
+            out[name + suffix] = count / (time.perf_counter() - start)
+            assert found == (count if expect else 0), f"floor {name}: {found} of {count}"
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -190,8 +234,10 @@ def main() -> int:
         for session in args.sessions.split(",")
     ]
     targets = (direct, *mounts)
+    stack = ExitStack()
     rows: list[dict[str, object]] = []
     try:
+        floor = stack.enter_context(floor_daemon(base, args.json))
         modes = {}
         for t in targets:
             probe = vllm_io.probe_o_direct(str(t.root))
@@ -224,7 +270,17 @@ def main() -> int:
                     }
                 )
                 t.clear()
+            if floor is not None:
+                seed = repeat + 1
+                rows.append(
+                    {
+                        "target": "floor",
+                        "repeat": repeat,
+                        **measure_floor(floor, args.lookups, seed),
+                    }
+                )
     finally:
+        stack.close()
         for mount in mounts:
             mount.unmount()
         shutil.rmtree(base, ignore_errors=True)
@@ -259,10 +315,10 @@ def summarise(rows: list[dict[str, object]], modes: dict[str, bool]) -> dict[str
                 groups.setdefault(key, []).append(float(row[measure]))  # type: ignore[arg-type]
         for (size, threads, target), values in groups.items():
             cells.setdefault((measure, size, threads), {})[target] = statistics.median(values)
-    sessions = sorted({str(row["target"]) for row in rows} - {"direct"})
+    sessions = sorted({str(row["target"]) for row in rows} - {"direct", "floor"})
     results = []
     for (measure, size, threads), by_target in cells.items():
-        for session in sessions:
+        for session in [*sessions, "floor"] if "floor" in by_target else sessions:
             results.append(
                 {
                     "measure": measure,
@@ -288,9 +344,15 @@ def summarise(rows: list[dict[str, object]], modes: dict[str, bool]) -> dict[str
         }
         for session in sessions
     }
+    floor = [r for r in results if r["session"] == "floor"]
+    if floor:  # what a round trip through /dev/fuse costs any daemon here
+        summary["floor"] = {r["measure"]: r["ratio"] for r in floor}
     return {
         "o_direct": modes,
         "sessions": {session: list(SESSIONS[session]) for session in sessions},
+        "floor": "tools/fuse_floor.c: libfuse answering every lookup from memory"
+        if floor
+        else None,
         "results": results,
         "summary": summary,
         "units": {m: "GB/s" if "load" in m or m == "store" else "lookups/s" for m in MEASURES},
@@ -313,11 +375,12 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['kvfs']:>10.3f}{r['ratio']:>13.2f}"
         )
     for session, ratios in report["summary"].items():
-        print(
-            f"median kvfs/direct, {session}: "
-            + ", ".join(f"{m} {v:.2f}" for m, v in ratios.items() if m in MEASURES)
-            + f"; daemon CPU {ratios['daemon_cpu_s_per_gb']:.2f} s per GB moved"
+        line = f"median kvfs/direct, {session}: " + ", ".join(
+            f"{m} {v:.2f}" for m, v in ratios.items() if m in MEASURES
         )
+        if "daemon_cpu_s_per_gb" in ratios:
+            line += f"; daemon CPU {ratios['daemon_cpu_s_per_gb']:.2f} s per GB moved"
+        print(line)
 
 
 if __name__ == "__main__":

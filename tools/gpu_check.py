@@ -10,6 +10,15 @@ every reloaded block equals the stored one and that a chunk's pages are the cano
 
 On a machine without CUDA, ``--device cpu`` runs the same code on CPU tensors (a smoke test;
 its figures are memcpy speeds, not DMA).
+
+    python -m tools.gpu_check --vllm-spec MOUNTPOINT [--tp N]
+
+instead runs vLLM 0.33.0's scheduler and OffloadingConnector with kvfs's
+``KvfsOffloadingSpec`` as the README configures it (root_dir on the kvfs mount at MOUNTPOINT),
+its worker vLLM's own CUDA one (the CPU tests replace it with memmoves): a request's KV goes
+GPU -> host -> mount -> host -> GPU and must come back identical, and the chunk files must
+equal, byte for byte in their KV areas, those the CPU harness (tests/vllm_cpu_spec.py) writes
+for the same KV. Needs the test requirements (tests/vllm_engine.py) and a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -128,6 +137,44 @@ def measure(chunk_mib: float, device: torch.device, tp: int, repeats: int, batch
     }
 
 
+def vllm_spec_check(mount: str, tp: int, devices: tuple[str, ...] = ("cuda", "cpu")) -> dict:
+    """See the module's doc (``--vllm-spec``). Raises AssertionError on any difference.
+    ``devices=("cpu",)``: only the CPU harness's half (what the test suite runs of this)."""
+    import tempfile
+    from pathlib import Path
+
+    from tests import vllm_engine
+    from tests.test_vllm_engine import check_files_hold_canonical_pages, check_loaded, used_tree
+    from tests.test_vllm_spec import PROMPT, spec_config
+
+    why = vllm_engine.unavailable()
+    assert why is None, why
+    assert "cuda" not in devices or torch.cuda.is_available(), "--vllm-spec needs a CUDA GPU"
+    real = {"spec_name": "KvfsOffloadingSpec", "spec_module_path": "kvfs.connector.vllm_spec"}
+    trees, seconds = {}, {}
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = vllm_engine.write_tiny_model(Path(scratch) / "model")
+        for device in devices:
+            root = Path(mount) / f"gpu-check-{device}-{uuid.uuid4().hex[:8]}"
+            config = spec_config(root, **(real if device == "cuda" else {}))
+            start = time.perf_counter()
+            with vllm_engine.Engine(
+                root, model_dir, tp=tp, extra_config=config, device=device
+            ) as engine:
+                worker = engine.workers[0].connector_worker.worker
+                kv = engine.snapshot()
+                stored = engine.store(PROMPT)
+                check_files_hold_canonical_pages(engine, stored, kv)
+                check_loaded(engine, engine.load(PROMPT), stored, kv)
+                trees[device] = used_tree(engine)
+            seconds[device] = time.perf_counter() - start
+            if device == "cuda":
+                assert type(worker).__name__ == "CPUOffloadingWorker", type(worker)
+    first = trees[devices[0]]
+    assert all(tree == first for tree in trees.values()), "the CUDA worker's files differ"
+    return {"tp": tp, "chunk_files": len(first), "identical": True, "seconds": seconds}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -138,7 +185,11 @@ def main() -> None:
     parser.add_argument("--batch-mib", type=int, default=256, help="bytes per transfer job")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--vllm-spec", metavar="MOUNTPOINT", help="check KvfsOffloadingSpec")
     args = parser.parse_args()
+    if args.vllm_spec:
+        print(json.dumps(vllm_spec_check(args.vllm_spec, args.tp), indent=2))
+        return
     device = torch.device(args.device)
     rows = [measure(size, device, args.tp, args.repeats, args.batch_mib) for size in args.sizes]
     if args.json:

@@ -1,6 +1,7 @@
 """Secondary tiers, and how a tier is found from its configuration.
 
-Built in: ``fs`` (a directory, the kvfs mount first) and ``memory`` (the example). Any other
+Built in: ``fs`` (a directory, the kvfs mount first), ``memory`` (the example) and ``p2p``
+(other engines' host tiers, over ZMQ and NIXL). Any other
 ``type`` names a class in ``module_path``: ``{"type": "MyTier", "module_path": "pkg.mod",
 ...}``; every other key of the dict is a keyword argument of the tier's constructor.
 """
@@ -18,6 +19,7 @@ from kvfs.connector.tiers.base import SecondaryTier, TierContext
 BUILT_IN = {
     "fs": "kvfs.connector.tiers.fs:FsTier",
     "memory": "kvfs.connector.tiers.memory:MemoryTier",
+    "p2p": "kvfs.connector.tiers.p2p:P2PTier",
 }
 
 

@@ -66,6 +66,19 @@ class MetricSpec:
     buckets: tuple[float, ...] | None = None
 
 
+class HostAccess(ABC):
+    """The host tier, for a tier that serves other engines from it (p2p): pin the chunks it
+    holds so that a transfer can read them, release them after. Scheduler thread only."""
+
+    @abstractmethod
+    def pin_ready(self, keys: Sequence[bytes]) -> dict[bytes, int]:
+        """Pin those of ``keys`` that are readable in the host tier now; their slots."""
+
+    @abstractmethod
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """Release pins :meth:`pin_ready` took (once per key per pin)."""
+
+
 @dataclass
 class TierContext:
     """What every tier gets besides its own options."""
@@ -78,6 +91,9 @@ class TierContext:
 
 class SecondaryTier(ABC):
     medium: ClassVar[str] = "STORAGE"
+    # False: the tier keeps no chunks of its own (p2p reads other engines' host tiers), so
+    # the host tier does not cascade stores to it.
+    accepts_stores: ClassVar[bool] = True
 
     def __init__(self, host_view: memoryview, context: TierContext) -> None:
         if host_view.ndim != 2 or host_view.strides[0] != context.chunk_bytes:
@@ -116,6 +132,12 @@ class SecondaryTier(ABC):
 
     def on_schedule_end(self) -> None:
         """End of a scheduler step: send batched work (lookups) on its way."""
+        return  # optional hook
+
+    def serve_peers(self, host: HostAccess) -> None:
+        """End of a scheduler step, before :meth:`on_schedule_end`: answer other engines'
+        requests from the host tier (p2p). ``host`` is valid for the tier's lifetime, on the
+        scheduler thread."""
         return  # optional hook
 
     def on_request_finished(self, request_id: str) -> None:
