@@ -1236,13 +1236,7 @@ class Objects:
                 if os.path.join(self.index.path(parent), name) != rel:  # the parent moved
                     return None
                 self.counters.fell_through += 1
-                node = shared.adopt(self.index, parent, name, found)
-                if node.is_file:
-                    self.adopted.add(node.ino)
-                    if self.share is not None and rel not in self.share.view.entries:
-                        # no journal told us (not yet, or never): counted from now on
-                        self.share.published(rel, node.size, node.last_read_ns)
-                return node
+                return self._adopt(parent, name, found)
 
         return await self.bounded(op)
 
@@ -1302,15 +1296,25 @@ class Objects:
                         child = node.children.get(part)
                         if child is None:
                             self.counters.fell_through += 1
-                            child = shared.adopt(self.index, node, part, hit)
-                            if child.is_file:
-                                self.adopted.add(child.ino)
+                            child = self._adopt(node, part, hit)
                         node, walked = child, walked + 1
                     if walked == len(parts) and node.is_file:
                         files.add(os.path.join(above, *parts))
             return files
 
         return await self.bounded(op)
+
+    def _adopt(self, parent: Node, name: bytes, found: Found) -> Node:
+        """A file or directory another host made joins the index (the caller holds the
+        lock); a file no journal told this host of (not yet, or never) is counted in the
+        share from now on."""
+        node = shared.adopt(self.index, parent, name, found)
+        if node.is_file:
+            self.adopted.add(node.ino)
+            rel = self.index.path(node)
+            if self.share is not None and rel not in self.share.view.entries:
+                self.share.published(rel, node.size, node.last_read_ns)
+        return node
 
     async def load(self, node: Node, reader: Reader | None) -> tuple[Reader, ChunkBuffer]:
         """Read a version whole and verify it; ``reader`` None for a handle opened while the
