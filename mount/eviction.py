@@ -50,6 +50,8 @@ class SharedOrder(Protocol):
 
     async def evict_oldest(self, reason: EvictionReason) -> bool: ...
 
+    def released(self) -> None: ...
+
 
 class Evictor:
     def __init__(
@@ -94,6 +96,8 @@ class Evictor:
 
     def release(self, held: int) -> None:
         self.reserved -= held
+        if self.shared is not None:
+            self.shared.released()
         if self.used > HIGH_WATERMARK * self.capacity:
             self._sweep_wanted.set()
 

@@ -9,12 +9,13 @@ to the low one, journaling each eviction; the others see those as misses, and dr
 
 The bound. Publishes are admitted while the share (as this host sees it, having just read the
 others' journals) stays under the high watermark (95 %); the rest of the capacity is the room
-for what other hosts publish before this host can know of it: what they published and have not
-journaled (at most UNJOURNALED, 1 % of the capacity each: past it their publishes wait for the
-journal write) and what they admitted and have not published yet (their writers' chunks in
-flight). The lease holder evicts for its own publishes there and then, and sweeps from
-SWEEP_AT (92.5 %) down to the low watermark (90 %); another host waits (within half the
-deadline) for the holder's evictions to reach it, else the publish fails with ENOSPC.
+for what other hosts admitted and this host cannot know of yet (admitted and not published, or
+published and not journaled): each host keeps that within its part of the room left under the
+high watermark (the room over the number of hosts), and at least UNJOURNALED (1 % of the
+capacity); past it, its publishes wait for the ones before them and for the journal write. The
+lease holder evicts for its own publishes there and then, and sweeps from SWEEP_AT (92.5 %)
+down to the low watermark (90 %); another host waits (within half the deadline) for the
+holder's evictions to reach it, else the publish fails with ENOSPC.
 
 Every journal and lease operation runs in the I/O pool; the loops that wait on them never hold
 up a request (a request waits on them only through ``admit``, within its deadline).
@@ -58,8 +59,9 @@ SWEEP_SECONDS = 0.5  # the lease holder looks at the share's usage this often
 # what the other hosts publish meanwhile (unseen until their journals are read). The sweeper
 # starts halfway between the watermarks, so that every publish waiting for room gets it.
 SWEEP_AT = (LOW_WATERMARK + HIGH_WATERMARK) / 2
-# What one host may have published and not yet journaled, as a share of the capacity: the
-# journal is written at once past it, and publishes wait for that write.
+# What one host may have admitted or published and not yet journaled: its part of the room
+# left under the high watermark, and at least this share of the capacity; past it the journal
+# is written at once and publishes wait.
 UNJOURNALED = 0.01
 CLOCK_AHEAD = 60.0  # seconds another host's records may be ahead of our clock (else clamped)
 
@@ -217,7 +219,7 @@ class Share:
     def start(self, nursery: trio.Nursery) -> None:
         self.changed = trio.Event()
         self._flush_wanted = trio.Event()
-        self._flushed = trio.Event()
+        self._progress = trio.Event()  # a journal write or a publish completed
         self._tail_wanted = trio.Event()
         self._sweep_wanted = trio.Event()
         self._tail_lock = trio.Lock()
@@ -261,8 +263,7 @@ class Share:
             return
         finally:
             self.flushing -= published
-            self._flushed.set()
-            self._flushed = trio.Event()
+            self._wake_progress()
         if self.writer.size > journal.COMPACT_BYTES:
             lines = list(self.view.snapshot(self.host))
             try:
@@ -436,6 +437,25 @@ class Share:
         self._flush_soon()  # the hosts waiting for room hear of it at once
         return True
 
+    def _may_admit(self, need: int) -> bool:
+        evictor = self.objects.evictor
+        unseen = evictor.reserved + self.unjournaled
+        if not unseen:
+            return True
+        room = HIGH_WATERMARK * evictor.capacity - self.view.used - evictor.reserved
+        allowance = max(UNJOURNALED * evictor.capacity, room / (len(self.tails) + 1))
+        return unseen + need <= allowance
+
+    def released(self) -> None:
+        """A publish admitted here completed (or was dropped): its room is no longer unseen."""
+        self._wake_progress()
+
+    def _wake_progress(self) -> None:
+        progress = getattr(self, "_progress", None)
+        if progress is not None:
+            progress.set()
+            self._progress = trio.Event()
+
     async def admit(self, need: int) -> None:
         """Room for a publish of ``need`` bytes (on disk) under the share's high watermark
         (the rest of the capacity is the room for what other hosts publish meanwhile, which
@@ -453,14 +473,14 @@ class Share:
             return self.lease.holding() or used > SWEEP_AT * evictor.capacity
 
         deadline = trio.current_time() + self.objects.cfg.io_timeout / 2
-        # What this host published and the others cannot know yet stays under 1 % of the
-        # capacity: past it, a publish waits for the journal write.
-        allowance = UNJOURNALED * evictor.capacity
-        while self.unjournaled and self.unjournaled + need > allowance:
-            flushed = self._flushed
+        # What the others cannot know of yet (admitted and not published, published and not
+        # journaled) stays within this host's part of the room left, at least 1 % of the
+        # capacity: past it, a publish waits for the publishes before it and the journal.
+        while not self._may_admit(need):
+            progress = self._progress
             self._flush_soon()
             with trio.move_on_at(deadline):
-                await flushed.wait()
+                await progress.wait()
             if trio.current_time() >= deadline:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         await self.refresh()  # what the others published up to now: no lag at the bound

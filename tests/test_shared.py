@@ -300,7 +300,6 @@ def write_chunks(
 def caught_up(mounts: list[Mount]) -> bool:
     """Every host has read every other host's journal to its end, and counts the same."""
     states = [share(m) for m in mounts]
-    sizes = {m.backing.name: 0 for m in mounts}
     journals = mounts[0].backing / ".kvfs" / "journal"
     for state, mount in zip(states, mounts, strict=True):
         if state["pending_lines"]:
@@ -310,7 +309,7 @@ def caught_up(mounts: list[Mount]) -> bool:
         for other in states:
             if other["host"] != name and other["hosts"].get(name, {}).get("offset") != size:
                 return False
-    return len({s["used"] for s in states}) == 1 and bool(sizes is not None)
+    return len({s["used"] for s in states}) == 1
 
 
 def test_one_capacity_holds_for_the_share_under_writers_on_every_host(tmp_path: Path) -> None:
@@ -335,7 +334,10 @@ def test_one_capacity_holds_for_the_share_under_writers_on_every_host(tmp_path: 
                 writer.join()
             for mount in mounts:
                 mount.settle()
-            wait_for("the hosts agree", lambda: caught_up(mounts))
+            wait_for(
+                "the hosts agree with the disk",
+                lambda: caught_up(mounts) and share(mounts[0])["used"] == share_bytes(backing),
+            )
         finally:
             peak, samples = sampler.stop()
         written = 3 * 2 * 100 * SMALL  # more than twice the capacity
@@ -502,12 +504,19 @@ def test_a_kept_passthrough_backing_file_goes_when_the_journals_say_its_chunk_we
     with fleet(tmp_path, ("a", "b"), *passthrough) as (a, b):
         data = os.urandom(CHUNK)
         write(a, "pt/x.bin", data)
-        for _ in range(3):  # served and verified; passed through; through the kept file
+
+        def session() -> dict[str, Any]:
+            usage = json.loads((b.path / ".kvfs" / "usage.json").read_bytes())
+            return dict(usage["session"])
+
+        def read_again() -> bool:  # served and verified; passed through; then the kept file
             assert (b.path / "pt/x.bin").read_bytes() == data
-        session = json.loads((b.path / ".kvfs" / "usage.json").read_bytes())["session"]
-        if not session["passthrough"]:
+            return bool(session()["backing_reused"] >= 1)
+
+        read_again()
+        if not session()["passthrough"]:
             pytest.skip("this kernel refuses passthrough")
-        assert session["backing_reused"] >= 1  # b keeps x's backing file between opens
+        wait_for("b keeps x's backing file between opens", read_again)
         dropped = share(b)["dropped"]
         kvfs("evict", str(a.path), "--namespace", "pt")
         wait_for("b drops x", lambda: share(b)["dropped"] == dropped + 1)
@@ -646,7 +655,11 @@ def test_two_hosts_over_sshfs_share_one_cache_and_one_capacity(
             writer.join()
         a.settle()
         b.settle()
-        wait_for("the hosts agree", lambda: share(a)["used"] == share(b)["used"], timeout=120)
+        wait_for(
+            "the hosts agree with the disk",
+            lambda: caught_up([a, b]) and share(a)["used"] == share_bytes(sshfs_share[0]),
+            timeout=120,
+        )
         final = share_bytes(sshfs_share[0])
         print(f"sshfs: {final / capacity:.3f} of the capacity, {len(failures)} refused")
         assert final <= 1.05 * capacity and not failures
