@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -66,8 +67,12 @@ class LookupHandle:
 class BatchLookups:
     """Every open handle of ``.kvfs/lookup``, and the bytes their requests hold."""
 
-    def __init__(self, index: Index, counts: LookupCounts) -> None:
+    def __init__(
+        self, index: Index, counts: LookupCounts, fall_through: FallThrough | None = None
+    ) -> None:
         self.index, self.counts = index, counts
+        # A shared backing directory (--shared): what the index lacks may be another host's.
+        self.fall_through = fall_through
         self.handles: dict[int, LookupHandle] = {}
         self.pending = 0
 
@@ -131,9 +136,11 @@ class BatchLookups:
     async def _resolve(self, request: bytes, caller: Caller) -> bytes:
         base_line, _, body = request.partition(b"\n")
         lines = _names(body)
-        base = self._walk(self.index.root, _components(base_line, allow_empty=True), caller)
+        base_parts = _components(base_line, allow_empty=True)
+        base = self._walk(self.index.root, base_parts, caller)
         answer = bytearray([proto.LOOKUP_MISS]) * len(lines)
-        misses: list[tuple[Node, bytes]] = []
+        misses: list[tuple[int, Node, bytes]] = []
+        unknown: list[int] = []  # lines the index has nothing for (no file, no folder)
         # Each distinct directory walked once, from its parent's entry (vLLM's folders,
         # <hex3>/<hex2>_g<group>, are nearly all distinct, their parents few); only
         # directories the caller may search are kept. The loop is the daemon's cost per name.
@@ -148,18 +155,48 @@ class BatchLookups:
                 if parent is _UNKNOWN:
                     parent = self._folder(dirs, folder, caller)
                 if parent is None:
+                    unknown.append(i)
                     continue
                 # a cached folder is a directory: it has children
                 node = parent.children.get(name)  # type: ignore[union-attr]
                 if node is None:
-                    misses.append((parent, name))
+                    misses.append((i, parent, name))
+                    unknown.append(i)
                 elif node.is_file:
                     answer[i] = proto.LOOKUP_HIT
+        if self.fall_through is not None and unknown:
+            found = await self._fall_through(base_parts, lines, unknown, caller)
+            for i in found:
+                answer[i] = proto.LOOKUP_HIT
+            misses = [miss for miss in misses if miss[0] not in found]
         # The whole request was valid: only now count (a LOOKUP's miss, for each).
-        for parent, name in misses:
+        for _, parent, name in misses:
             if parent.attached:
                 self.counts.miss(parent, name)
         return bytes(answer)
+
+    async def _fall_through(
+        self, base_parts: list[bytes], lines: list[bytes], unknown: list[int], caller: Caller
+    ) -> set[int]:
+        """Of the lines the index lacks, those another host published on the shared backing
+        directory (found in one trip, and joined to the index). Each is then walked as any
+        other, with the caller's search permission."""
+        assert self.fall_through is not None
+        base = b"/".join(base_parts)
+        rels = {i: os.path.join(base, lines[i]) if base else lines[i] for i in unknown}
+        files = await self.fall_through(list(rels.values()))
+        found = set()
+        for i, rel in rels.items():
+            if rel in files:
+                folder, _, name = lines[i].rpartition(b"/")
+                parts = [*base_parts, *(folder.split(b"/") if folder else [])]
+                parent = self._walk(self.index.root, parts, caller)
+                node = (
+                    None if parent is None or parent.children is None else parent.children.get(name)
+                )
+                if node is not None and node.is_file:
+                    found.add(i)
+        return found
 
     def _folder(self, dirs: dict[bytes, Node | None], folder: bytes, caller: Caller) -> Node | None:
         """A directory below the base, through the cache of its parent (iterative: a hostile
@@ -198,6 +235,7 @@ class BatchLookups:
         return node
 
 
+FallThrough = Callable[[list[bytes]], Awaitable[set[bytes]]]
 _UNKNOWN = Node(0, b"", stat.S_IFDIR)  # not in the cache yet (None: known to be missing)
 
 

@@ -1249,6 +1249,7 @@ class Objects:
             return set()
         # Per path: the deepest node the index knows on it, and the components below it.
         todo: list[tuple[Node, bytes, list[bytes]]] = []
+        known = set()  # joined the index since the caller looked
         for rel in rels:
             node, parts = self.index.root, rel.split(b"/")
             if not parts or layout.is_reserved(True, parts[0]):
@@ -1261,8 +1262,10 @@ class Objects:
                 node, depth = child, depth + 1
             if depth < len(parts) and node.children is not None:
                 todo.append((node, self.index.path(node), parts[depth:]))
+            elif depth == len(parts) and node.is_file:
+                known.add(rel)
         if not todo:
-            return set()
+            return known
 
         def probe_all() -> list[list[Found]]:
             seen: dict[bytes, Found | None] = {}
@@ -1284,7 +1287,7 @@ class Objects:
 
         async def op() -> set[bytes]:
             probed = await self.io.read(probe_all)
-            files = set()
+            files = set(known)
             async with self._ns:  # creates, renames and lookups meanwhile win
                 for (node, above, parts), found in zip(todo, probed, strict=True):
                     if not node.attached or self.index.path(node) != above:

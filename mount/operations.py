@@ -72,7 +72,8 @@ class KvfsOperations(pyfuse3.Operations):
         self.metrics = Metrics()
         self.handles = Handles()
         self.lookups = LookupCounts()
-        self.batch_lookups = BatchLookups(index, self.lookups)
+        shared = self.objects.fall_through_paths if cfg.shared is not None else None
+        self.batch_lookups = BatchLookups(index, self.lookups, shared)
         for name in FUSE_HANDLERS:  # pyfuse3 calls the instance's attributes
             setattr(self, name, self.metrics.timed(name, contained(name, getattr(self, name))))
         # What the kernel session calls inline, in its receive loop: answered from memory.

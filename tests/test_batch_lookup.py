@@ -278,3 +278,32 @@ def test_requests_split_under_the_limit_and_refuse_a_newline_in_a_name() -> None
     for bad in (["a.bin", "b\nc.bin"], ["a.bin\n"], ["\n"]):
         with pytest.raises(ValueError, match="newline"):
             list(proto.lookup_requests("ns_r0", bad))
+
+
+def test_on_a_shared_directory_another_hosts_chunks_are_hits(tmp_path: Path) -> None:
+    """--shared: a batched lookup finds what another host published, in folders this host
+    never saw (one trip to the backing directory for all the request's unknown names), as a
+    LOOKUP of each would; the rest stay misses."""
+    from tests.test_shared import counters, shared_mount
+
+    (tmp_path / "backing").mkdir()
+    a, b = (shared_mount(tmp_path, tmp_path / "backing", host) for host in ("a", "b"))
+    a.start()
+    try:
+        b.start()
+        try:
+            base = "model_0123456789ab_r0"
+            theirs = [chunk(k) for k in range(8)]
+            store(a.path / base, theirs)
+            a.settle()
+            names = [*theirs, chunk(100), chunk(101)]  # two nobody stored
+            before = counters(b)["fell_through"]
+            answer = ask(b, ("\n".join([base, *names]) + "\n").encode())
+            assert answer == bytes([proto.LOOKUP_HIT] * 8 + [proto.LOOKUP_MISS] * 2)
+            assert counters(b)["fell_through"] > before  # the folders and the chunks joined
+            assert ask(b, f"{base}\n{theirs[0]}\n".encode()) == bytes([proto.LOOKUP_HIT])  # indexed
+            assert (b.path / base / theirs[3]).read_bytes() == b"kv"
+        finally:
+            b.stop()
+    finally:
+        a.stop()

@@ -12,10 +12,12 @@ its stores have reached every tier. Where a turn runs:
   sticky  conversation c always on engine c mod N (a router with session affinity)
   moving  turn k of conversation c on engine (c + k) mod N (every turn on another engine)
 
-Where the engines' fs tier lies:
+Where the engines find chunks past their own host tier:
 
   alone   each engine its own kvfs mount over its own backing directory
   shared  each engine its own kvfs mount (``--shared host-<i>``) over one backing directory
+  p2p     no fs tier: the other engines' host tiers, through the p2p tier (ZMQ + NIXL on
+          loopback); an engine that has finished a round keeps serving its peers until all have
 
 It prints, per configuration, the fleet's prompt tokens/s (all prompt tokens over the time of
 all rounds, each round as long as its slowest engine) and hit ratio (the share of prompt tokens
@@ -28,7 +30,9 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -41,10 +45,11 @@ from typing import Any
 
 import torch
 
+from kvfs import control_protocol
 from tools.bench_conversations import PROFILES, SimEngine, Workload
 
 KVFS = [sys.executable, "-m", "kvfs.cli"]
-CONFIGS = ("alone, sticky", "alone, moving", "shared, moving")
+CONFIGS = ("alone, sticky", "alone, moving", "shared, moving", "p2p, moving")
 
 
 Turns = list[tuple[int, int]]  # (conversation, turn) pairs
@@ -59,9 +64,36 @@ def deal(conversations: int, turns: int, engines: int, moving: bool) -> list[lis
     return plan
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tiers(config: str, engines: int, roots: list[Path]) -> list[list[dict[str, Any]]]:
+    """Each engine's secondary tiers."""
+    if not config.startswith("p2p"):
+        return [[{"type": "fs", "root_dir": str(root)}] for root in roots]
+    ports = [free_port() for _ in range(engines)]
+    return [
+        [
+            {
+                "type": "p2p",
+                "port": port,
+                "peers": [f"127.0.0.1:{p}" for p in ports if p != port],
+            }
+        ]
+        for port in ports
+    ]
+
+
 @contextmanager
 def fleet_mounts(config: str, engines: int, work: Path, options: list[str]) -> Iterator[list[Path]]:
-    """One kvfs mount per engine: over one shared backing directory, or each over its own."""
+    """One kvfs mount per engine: over one shared backing directory, or each over its own;
+    none for p2p."""
+    if config.startswith("p2p"):
+        yield []
+        return
     run = work / uuid.uuid4().hex[:8]
     shared = config.startswith("shared")
     mounted: list[Path] = []
@@ -84,13 +116,15 @@ def fleet_mounts(config: str, engines: int, work: Path, options: list[str]) -> I
 
 def engine_main(
     index: int,
-    root: str,
+    secondary: list[dict[str, Any]],
     rounds: list[Turns],
     args: dict[str, Any],
-    barrier: Any,
+    done: Any,
     results: Any,
 ) -> None:
-    """One engine: its turns of each round, then its stores flushed, in step with the others."""
+    """One engine: its turns of each round, then its stores flushed, in step with the others
+    (stepping its connector while it waits: a p2p tier serves its peers only then)."""
+    os.dup2(2, 1)  # stdout is the report's (--json): NIXL and UCX log to it
     torch.set_num_threads(1)
     profile, workload = PROFILES[args["profile"]], Workload(turns=args["turns"])
     chunk = profile.kv_bytes_per_token * workload.tokens_per_block
@@ -99,43 +133,72 @@ def engine_main(
     device_blocks = args["device_conversations"] * per_conversation + pinned
     extra = {
         "cpu_bytes_to_use": args["host_conversations"] * per_conversation * chunk,
-        "secondary_tiers": [{"type": "fs", "root_dir": root}],
+        "secondary_tiers": secondary,
     }
     engine = SimEngine(profile, workload, device_blocks, extra)
     seconds, tokens, prompt = [], Counter[str](), 0
     try:
-        for turns in rounds:
-            barrier.wait()
+        for k, turns in enumerate(rounds):
+            wait_round(engine, done, args["engines"] * k)
             start = time.perf_counter()
             if turns:
                 result = engine.run("fleet", 0, args["device_conversations"], turns)
                 tokens.update(result.tokens)
                 prompt += result.prompt_tokens
             engine.flush()  # the next round may run these conversations elsewhere
+            for tier in secondary:  # and look for them there
+                if tier["type"] == "fs":
+                    settle(tier["root_dir"])
             seconds.append(time.perf_counter() - start)
+            with done.get_lock():
+                done.value += 1
+        wait_round(engine, done, args["engines"] * len(rounds))  # the last round's peers
         results.put((index, seconds, dict(tokens), prompt, None))
     except BaseException as err:
         results.put((index, [], {}, 0, repr(err)))
-        barrier.abort()  # the others stop waiting for this engine
+        with done.get_lock():
+            done.value = -1  # the others stop waiting for this engine
         raise
     finally:
         engine.close()
 
 
+def settle(mount: str, timeout: float = 60) -> None:
+    """Until the kvfs mount has published every chunk written through it: a publish ends a
+    moment after the store's close() (at the last release), and other hosts find a chunk on
+    the shared backing directory only then."""
+    deadline = time.monotonic() + timeout
+    while os.getxattr(mount, control_protocol.UNPUBLISHED) != b"0":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{mount}: chunks still unpublished after {timeout} s")
+        time.sleep(0.002)
+
+
+def wait_round(engine: SimEngine, done: Any, finished: int) -> None:
+    """Until every engine has finished the rounds before (``finished`` reports in all)."""
+    while done.value < finished:
+        if done.value < 0:
+            raise RuntimeError("another engine failed")
+        if engine.connector is not None:
+            engine.connector.step()
+        time.sleep(0.002)
+
+
 def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
     plan = deal(args.conversations, args.turns, args.engines, config.endswith("moving"))
     ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(args.engines), ctx.Queue()
+    done, results = ctx.Value("i", 0), ctx.Queue()
     settings = {k: getattr(args, k) for k in ("profile", "turns", "device_conversations")}
+    settings["engines"] = args.engines
     settings["host_conversations"] = args.host_conversations
     with ExitStack() as stack:
         roots = stack.enter_context(
             fleet_mounts(config, args.engines, args.workdir, args.mount_options.split())
         )
+        secondary = tiers(config, args.engines, roots)
         engines = [
             ctx.Process(
-                target=engine_main,
-                args=(i, str(roots[i]), plan[i], settings, barrier, results),
+                target=engine_main, args=(i, secondary[i], plan[i], settings, done, results)
             )
             for i in range(args.engines)
         ]
@@ -158,7 +221,11 @@ def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
         "conversations": args.conversations,
         "tokens_per_s": round(prompt / sum(rounds), 1),
         "hit_ratio": round(1 - tokens["recomputed"] / prompt, 4),
-        "sources": {k: round(v / prompt, 4) for k, v in sorted(tokens.items())},
+        # SimEngine counts every secondary tier's tokens as "fs"
+        "sources": {
+            ("p2p" if k == "fs" and config.startswith("p2p") else k): round(v / prompt, 4)
+            for k, v in sorted(tokens.items())
+        },
         "seconds": round(sum(rounds), 2),
     }
 
