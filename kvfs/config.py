@@ -162,6 +162,9 @@ class MountConfig:
     # Serve a backing directory shared with other daemons (other hosts), as this host id
     # (None: this daemon owns the backing directory alone). docs/research/fleet-design.md.
     shared: str | None = None
+    # --shared: seconds the sweep lease lasts without a renew (renewed every third of it); a
+    # killed holder is replaced within TTL + TTL/3. Hosts' clocks must differ by much less.
+    lease_ttl: float = 10.0
 
     def __post_init__(self) -> None:
         if self.write_buffer_bytes < 1 << 20:
@@ -190,5 +193,7 @@ class MountConfig:
             raise ConfigError(f"events: {self.events!r} is not a ZMQ address (tcp://HOST:PORT)")
         if self.shared is not None:
             check_host_id(self.shared, "shared")
+        if not 0.3 <= self.lease_ttl <= 3600:
+            raise ConfigError("lease_ttl: must be between 0.3 and 3600 seconds")
         if self.eviction not in POLICIES:
             raise ConfigError(f"eviction: {self.eviction!r} is not one of {', '.join(POLICIES)}")

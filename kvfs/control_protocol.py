@@ -101,6 +101,9 @@ class Report(TypedDict):
     queues: dict[str, QueueReport]  # read, write
     write_buffer: dict[str, int]  # used, capacity
     namespaces: list[NamespaceReport]
+    # --shared only (else None): the share as the journals tell it (mount/share.py): used,
+    # files, lease_holder, holder, journal_lag_seconds, skipped_lines, hosts (per-host tails)...
+    share: dict[str, Any] | None
 
 
 # -- the batched lookup ---------------------------------------------------------------------

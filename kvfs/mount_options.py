@@ -215,10 +215,22 @@ OPTIONS: tuple[Option, ...] = (
         "serve a backing directory that other kvfs daemons (other hosts) serve too, as this "
         "host id (1-64 of A-Z a-z 0-9 _ -, unique per backing directory): names the index "
         "lacks are looked up on the backing directory, misses are cached 1 s, a chunk another "
-        "host published first is kept",
+        "host published first is kept; --capacity bounds the whole share, one host at a time "
+        "(the sweep lease) evicting its least recently read chunks",
         field="shared",
         parse=lambda text, key: check_host_id(text, key),
         metavar="HOST_ID",
+    ),
+    Option(
+        "lease-ttl",
+        "with --shared: seconds the share's sweep lease lasts unrenewed (renewed every third "
+        "of it); a dead holder is replaced within TTL + TTL/3; keep it well above the hosts' "
+        "clock skew (0.3-3600)",
+        field="lease_ttl",
+        parse=_seconds,
+        show=lambda value: f"{value:g}",
+        unit="s",
+        metavar="SECONDS",
     ),
     Option(
         "foreground",

@@ -100,6 +100,7 @@ def report(
         },
         "write_buffer": {"used": objects.budget.used, "capacity": objects.budget.capacity},
         "namespaces": list(namespaces.namespaces(index, lookups, walk)),
+        "share": objects.share.report() if objects.share is not None else None,
     }
 
 

@@ -138,6 +138,9 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
     except zmq.ZMQError as err:
         tell(f"error: --events {cfg.events}: {err}")
         return 1
+    except OSError as err:  # --shared: the share's journals could not be read or resumed
+        tell(f"error: {cfg.backing}: the share's journals: {err}")
+        return 1
     if cfg.metrics_port is not None:
         try:
             ops.metrics.serve(cfg.metrics_port, cfg.metrics_address)

@@ -16,6 +16,7 @@ import os
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
+from typing import Protocol
 
 import trio
 
@@ -37,6 +38,21 @@ class EvictionReason(StrEnum):
     REQUEST = "request"  # `kvfs evict`
 
 
+class SharedOrder(Protocol):
+    """A shared backing directory's one capacity and global eviction order (mount/share.py)."""
+
+    @property
+    def used(self) -> int: ...
+
+    def holding(self) -> bool: ...
+
+    async def admit(self, need: int) -> None: ...
+
+    async def evict_oldest(self, reason: EvictionReason) -> bool: ...
+
+    def released(self) -> None: ...
+
+
 class Evictor:
     def __init__(
         self,
@@ -54,10 +70,12 @@ class Evictor:
         self.evictions: Counter[EvictionReason] = Counter()  # files
         self.evicted_bytes: Counter[EvictionReason] = Counter()  # their sizes
         self._sweep_wanted = trio.Event()
+        # --shared: the share's usage and order instead of this index's (its sweep runs there)
+        self.shared: SharedOrder | None = None
 
     @property
     def used(self) -> int:
-        return self.index.charged
+        return self.index.charged if self.shared is None else self.shared.used
 
     @property
     def free(self) -> int:
@@ -66,6 +84,10 @@ class Evictor:
     async def reserve(self, size: int) -> int:
         """Make room for a publish of ``size`` bytes and hold it; returns what to release."""
         need = on_disk(size)
+        if self.shared is not None:  # the share's room (its sweeper evicts, the others wait)
+            await self.shared.admit(need)
+            self.reserved += need
+            return need
         while self.used + self.reserved + need > self.capacity:
             if not await self._evict_one(EvictionReason.CAPACITY):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -74,6 +96,8 @@ class Evictor:
 
     def release(self, held: int) -> None:
         self.reserved -= held
+        if self.shared is not None:
+            self.shared.released()
         if self.used > HIGH_WATERMARK * self.capacity:
             self._sweep_wanted.set()
 
@@ -114,6 +138,8 @@ class Evictor:
 
     async def _evict_one(self, reason: EvictionReason) -> bool:
         """Evict the policy's next victim; False if nothing can go."""
+        if self.shared is not None:  # only the lease holder evicts, in the share's order
+            return self.shared.holding() and await self.shared.evict_oldest(reason)
         policy = self.index.policy
         while True:
             ino = policy.evict(lambda key: self._exempt_ino(key))

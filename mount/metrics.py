@@ -187,6 +187,9 @@ class _ReportCollector:
         yield from _activity(s)
         yield from _health(s)
         yield from _queues_and_namespaces(s)
+        share = s.get("share")
+        if share is not None:
+            yield from _share(share)
 
 
 def _space(s: Report) -> Iterator[Metric]:
@@ -320,6 +323,56 @@ def _queues_and_namespaces(s: Report) -> Iterator[Metric]:
         ns_bytes.add_metric(labels, ns["bytes"])
     yield ns_chunks
     yield ns_bytes
+
+
+def _share(share: dict[str, Any]) -> Iterator[Metric]:
+    """--shared: the share's one capacity as this host sees it from the journals."""
+    yield _gauge(
+        "kvfs_share_used_bytes",
+        "--shared: bytes the whole share holds (from every host's journal; 4 KiB blocks)",
+        share["used"],
+    )
+    yield _gauge("kvfs_share_files", "--shared: files the whole share holds", share["files"])
+    yield _gauge(
+        "kvfs_share_lease_holder",
+        "--shared: 1 while this host holds the sweep lease (it evicts for the share)",
+        1 if share["lease_holder"] else 0,
+    )
+    yield _gauge(
+        "kvfs_share_journal_lag_seconds",
+        "--shared: seconds since this host last read the other hosts' journals",
+        share["journal_lag_seconds"],
+    )
+    yield _gauge(
+        "kvfs_share_hosts",
+        "--shared: other hosts whose journals this host reads",
+        len(share["hosts"]),
+    )
+    yield _counter(
+        "kvfs_share_journal_skipped_lines",
+        "--shared: journal lines skipped as corrupt or hostile (failed checksum or syntax)",
+        share["skipped_lines"],
+    )
+    yield _counter(
+        "kvfs_share_leases_taken",
+        "--shared: times this host took the sweep lease",
+        share["leases_taken"],
+    )
+    yield _counter(
+        "kvfs_share_swept",
+        "--shared: chunks this host evicted for the share as the lease holder",
+        share["swept"],
+    )
+    yield _counter(
+        "kvfs_share_admission_waits",
+        "--shared: publishes that waited for the sweeper to make room in the share",
+        share["admission_waits"],
+    )
+    yield _counter(
+        "kvfs_share_journal_stalls",
+        "--shared: journal or lease operations that outlived --io-timeout",
+        share["stalls"],
+    )
 
 
 def _by_reason(

@@ -47,6 +47,7 @@ from kvfs.io_queues import DualQueuePool, Queue
 from kvfs.mount import shared
 from kvfs.mount.bridge import IO, ByteBudget, Detached, Future
 from kvfs.mount.eviction import EvictionReason, Evictor
+from kvfs.mount.share import Share
 from kvfs.store import BackingStore, Found, Published, fill_times
 
 log = logging.getLogger(__name__)
@@ -234,6 +235,12 @@ class Objects:
         self._spare_tmps: list[TmpFile] = []
         self.adopted: set[int] = set()  # --shared: files a lookup found (another host's)
         index.on_release = self._released
+        # --shared: one capacity and eviction order for the share, from the hosts' journals
+        # (reads them all now, at mount); None on a backing directory of our own: no cost.
+        self.share: Share | None = None
+        if store.host is not None:
+            self.share = Share(self, cfg.lease_ttl)
+            self.evictor.shared = self.share
         # Created in start(), once trio is running.
         self._ns: trio.Lock
         self.io: IO
@@ -245,7 +252,10 @@ class Objects:
         self._ns = trio.Lock()  # held across a namespace change: index and backing together
         self.io = IO(self.pool)
         self._detached = Detached(nursery)
-        nursery.start_soon(self.evictor.sweep_forever)
+        if self.share is None:
+            nursery.start_soon(self.evictor.sweep_forever)
+        else:  # the share's sweep (as the lease holder), journals and lease
+            self.share.start(nursery)
         nursery.start_soon(self.persist_recency_forever)
         self._spare_wanted = trio.Event()
         nursery.start_soon(self.keep_spare_tmps_forever)
@@ -260,6 +270,10 @@ class Objects:
         if self._recency_dirty:
             reads = self._recency()
             self.pool.submit(Queue.WRITE, partial(self.store.save_recency, reads), _log_failure)
+            if self.share is not None:
+                self.share.reads(reads)
+        if self.share is not None:
+            self.share.shutdown()
         self.pool.shutdown()
 
     async def persist_recency_forever(self) -> None:
@@ -270,7 +284,10 @@ class Objects:
         while True:
             await trio.sleep(RECENCY_PERSIST_SECONDS)
             if self._recency_dirty:
-                self.io.submit(Queue.WRITE, self.store.save_recency, self._recency())
+                reads = self._recency()
+                self.io.submit(Queue.WRITE, self.store.save_recency, reads)
+                if self.share is not None:  # the share's global recency
+                    self.share.reads(reads)
 
     async def keep_spare_tmps_forever(self) -> None:
         """Keep SPARE_TMPS temp files open for the next passthrough creates, from the first
@@ -396,6 +413,8 @@ class Objects:
                 self.index.attach(parent, name, node)
                 if not node.is_dir:  # a directory's size is 0 here: du -b counts files only
                     self.index.set_published(node, st.st_size, st.st_blocks)
+                if node.is_file and self.share is not None:
+                    self.share.published(rel, st.st_size)
                 return node
 
         return await self.bounded(op)
@@ -447,6 +466,7 @@ class Objects:
                     raise fail(errno.EINVAL)
                 old_rel = os.path.join(self._attached(old_parent), old_name)
                 new_rel = os.path.join(self._attached(new_parent), new_name)
+                moving = self._published_below(node) if self.share is not None else []
                 # Shared: an engine's temp renamed to a final name publishes it, and must not
                 # replace a file another host published there (unless it is the same bytes).
                 placing = (
@@ -473,6 +493,8 @@ class Objects:
                 if target is not None:
                     self.index.unlink(new_parent, new_name)
                 self.index.move(old_parent, old_name, new_parent, new_name)
+                if self.share is not None:
+                    self._journal_moves(moving, found is not None)
                 if found is not None:
                     if self._lost_race(node, node.checksum or "", found):
                         self.listener.content_changed(node)
@@ -480,6 +502,23 @@ class Objects:
                     self.listener.stored(node)
 
         await self.bounded(op)
+
+    def _published_below(self, node: Node) -> list[tuple[bytes, Node]]:
+        """The published files a rename of ``node`` moves, with their paths before it."""
+        files = self.index.walk_files(node) if node.is_dir else iter([node])
+        return [
+            (self.index.path(f), f) for f in files if f.is_file and f.on_backing and not f.links
+        ]
+
+    def _journal_moves(self, moving: list[tuple[bytes, Node]], lost: bool) -> None:
+        """Tell the share a rename moved these files (``lost``: the one file moved did not
+        take its new name: another host's file holds it)."""
+        assert self.share is not None
+        for old, node in moving:
+            if lost or not node.attached:
+                self.share.removed(old)
+            else:
+                self.share.moved([(old, self.index.path(node), node)])
 
     async def link(self, node: Node, parent: Node, name: bytes) -> None:
         """A hard link: one more name for a file. A file with several names is never evicted;
@@ -510,6 +549,8 @@ class Objects:
         last = not node.links
         if last and node.is_file:
             self.listener.removed(node)
+            if self.share is not None:
+                self.share.removed(rel)
             if node.lookups or node.open_count:
                 await self.io.read(self.store.rename, rel, self.store.unlinked_path(node.ino))
                 return
@@ -934,6 +975,8 @@ class Objects:
                 config = await self._read_unpublished(ws, 0, namespaces.CONFIG_MAX_BYTES + 1)
                 node.parent.meta = namespaces.parse_config(config)
             self.index.set_published(node, pub.size, pub.blocks)
+            if self.share is not None and not node.links:
+                self.share.published(rel, pub.size)
             ws.dirty = False
             self.counters.publishes += 1
             self.counters.bytes_written += pub.size
@@ -1160,6 +1203,8 @@ class Objects:
     def _gone(self, node: Node) -> Node:
         """Drop a file that another host evicted or unlinked from the index (caller holds the
         lock); returns its former parent, whose name for it the kernel must forget."""
+        if self.share is not None:
+            self.share.forget(self.index.path(node))
         parent = self._take_out(node)
         self.counters.gone_elsewhere += 1
         return parent
@@ -1191,10 +1236,7 @@ class Objects:
                 if os.path.join(self.index.path(parent), name) != rel:  # the parent moved
                     return None
                 self.counters.fell_through += 1
-                node = shared.adopt(self.index, parent, name, found)
-                if node.is_file:
-                    self.adopted.add(node.ino)
-                return node
+                return self._adopt(parent, name, found)
 
         return await self.bounded(op)
 
@@ -1257,15 +1299,25 @@ class Objects:
                         child = node.children.get(part)
                         if child is None:
                             self.counters.fell_through += 1
-                            child = shared.adopt(self.index, node, part, hit)
-                            if child.is_file:
-                                self.adopted.add(child.ino)
+                            child = self._adopt(node, part, hit)
                         node, walked = child, walked + 1
                     if walked == len(parts) and node.is_file:
                         files.add(os.path.join(above, *parts))
             return files
 
         return await self.bounded(op)
+
+    def _adopt(self, parent: Node, name: bytes, found: Found) -> Node:
+        """A file or directory another host made joins the index (the caller holds the
+        lock); a file no journal told this host of (not yet, or never) is counted in the
+        share from now on."""
+        node = shared.adopt(self.index, parent, name, found)
+        if node.is_file:
+            self.adopted.add(node.ino)
+            rel = self.index.path(node)
+            if self.share is not None and rel not in self.share.view.entries:
+                self.share.published(rel, node.size, node.last_read_ns)
+        return node
 
     async def load(self, node: Node, reader: Reader | None) -> tuple[Reader, ChunkBuffer]:
         """Read a version whole and verify it; ``reader`` None for a handle opened while the
@@ -1340,6 +1392,8 @@ class Objects:
                 self.index.unlink(alias_parent, alias_name)
                 self.listener.name_gone(alias_parent, alias_name, node)
             parent = self._take_out(node)
+            if self.share is not None:
+                self.share.removed(rel)
             self.counters.quarantined += 1
             self.counters.quarantined_bytes += node.size
         log.error(
@@ -1373,9 +1427,12 @@ class Objects:
         async with self._ns:
             if not node.attached or self.busy(node):
                 return False
+            rel = self.index.path(node)
             with contextlib.suppress(FileNotFoundError):  # deleted around the mount
-                await self.io.read(self.store.unlink, self.index.path(node))
+                await self.io.read(self.store.unlink, rel)
             parent = self._take_out(node)
+            if self.share is not None:
+                self.share.removed(rel)
         log.debug("evicted inode %d (%s)", node.ino, reason)
         if wait_for_kernel:  # access() of the name must miss from now on
             await self.listener.name_gone_now(parent, node.name, node)

@@ -19,7 +19,7 @@ INDIRECT = {
     "p2p": {"nixl-cu12"},  # imported by name at run time (connector/nixl_data.py)
 }
 # Modules that run only inside a vLLM process (its plugins): the vllm extra's, not connector's.
-VLLM_PLUGINS = {"connector/vllm_tier.py"}
+VLLM_PLUGINS = {"connector/vllm_tier.py", "connector/vllm_spec.py"}
 FILES = {
     "mount": ("kvfs/*.py", "mount/*.py"),
     "connector": ("kvfs/*.py", "connector/*.py"),
