@@ -24,7 +24,19 @@ from kvfs.config import daemon_log
 from tests.conftest import SESSION_OPTIONS, Mount, kvfs
 from tests.sshfs import SshServer, Unavailable, listening_addresses, shared_sshfs
 from tests.test_batch_lookup import ask, chunk, store
-from tests.test_shared import counters, write
+from tests.test_shared import (
+    CHUNK,
+    TTL,
+    caught_up,
+    counters,
+    fleet,
+    holder_of,
+    share_bytes,
+    wait_for,
+    write,
+    write_chunks,
+)
+from tests.test_shared import share as shared_state
 
 HOSTS = ("a", "b")
 
@@ -194,14 +206,27 @@ def test_a_chunk_another_host_removed_is_a_miss_never_eio(hosts: tuple[Mount, Mo
     for name in ("gone/u.bin", "gone/e.bin"):
         write(a, name, os.urandom(8192))
         assert (b.path / name).read_bytes() == (a.path / name).read_bytes()  # b indexed it
-    before = counters(b)["gone_elsewhere"]
+
+    def gone() -> int:  # found gone at an open, or dropped when a's journal said so
+        return counters(b)["gone_elsewhere"] + shared_state(b)["dropped"]
+
+    def a_miss(name: str) -> bool:
+        """b's read of ``name``: a miss at once as a rule (b may still serve the whole chunk
+        it holds until a's journal is read: rare, and never wrong bytes); never EIO."""
+        try:
+            data = (b.path / name).read_bytes()
+        except FileNotFoundError:
+            return True
+        assert len(data) == 8192
+        return False
+
+    before = gone()
     (a.path / "gone/u.bin").unlink()
     kvfs("evict", str(a.path), "--namespace", "gone")
     for name in ("gone/u.bin", "gone/e.bin"):
-        with pytest.raises(FileNotFoundError):
-            (b.path / name).read_bytes()
+        wait_until(lambda: a_miss(name), 30, f"{name} a miss on b")  # noqa: B023
         assert not (b.path / name).exists()
-    assert counters(b)["gone_elsewhere"] == before + 2
+    assert gone() == before + 2
 
 
 def test_sshfs_caches_add_no_lateness_to_a_removal(
@@ -382,3 +407,104 @@ def test_sessions_over_sshfs_serve_every_read(share: Share) -> None:
     finally:
         kernel.stop()
         auto.stop()
+
+
+# -- the share's capacity and sweep lease over sshfs (journals, lease file, link, rename) -----
+
+
+@pytest.fixture
+def own_share(tmp_path: Path) -> Iterator[tuple[Path, list[Path]]]:
+    """A share of the test's own: the served directory, each host's sshfs mount of it."""
+    try:
+        with shared_sshfs(tmp_path, HOSTS) as (_, served, sshfs):
+            yield served, [sshfs[h] for h in HOSTS]
+    except Unavailable as why:
+        pytest.skip(f"no sshfs share here: {why}")
+
+
+def test_two_hosts_over_sshfs_share_one_cache_and_one_capacity(
+    tmp_path: Path, own_share: tuple[Path, list[Path]]
+) -> None:
+    """What sshfs proves: link() takes a name atomically (EEXIST) across two SFTP clients,
+    O_APPEND journals are read whole by the other client, renames are atomic; it has no user
+    xattrs (checksums stay in memory, pins are refused), so it shows the share's coordination
+    working without them."""
+    served, backings = own_share
+    capacity = 4 << 20
+    with fleet(tmp_path, HOSTS, "--capacity", "4M", backings=backings) as (a, b):
+        data = os.urandom(CHUNK)
+        write(a, "hit/x.bin", data)
+        assert (b.path / "hit/x.bin").read_bytes() == data  # found through b's own client
+        (a.path / "race").mkdir()
+        with open(a.path / "race/n.bin", "wb") as fa, open(b.path / "race/n.bin", "wb") as fb:
+            fa.write(b"a" * 5000)
+            fb.write(b"b" * 5000)
+            fa.close()
+            a.settle()
+        b.settle()
+        assert (served / "race/n.bin").read_bytes() == b"a" * 5000
+        assert counters(b)["publish_conflicts"] == 1
+        failures: list[OSError] = []
+        (a.path / "wa").mkdir()
+        (b.path / "wb").mkdir()
+        writers = [
+            threading.Thread(target=write_chunks, args=(m, f"{d}/c", 16, failures))
+            for m, d in ((a, "wa"), (b, "wb"))
+        ]
+        for writer in writers:
+            writer.start()
+        for writer in writers:
+            writer.join()
+        a.settle()
+        b.settle()
+        wait_for(
+            "the hosts agree with the disk",
+            lambda: caught_up([a, b]) and shared_state(a)["used"] == share_bytes(served),
+            timeout=120,
+        )
+        final = share_bytes(served)
+        print(f"sshfs: {final / capacity:.3f} of the capacity, {len(failures)} refused")
+        assert final <= 1.05 * capacity and not failures
+        assert shared_state(a)["used"] == final
+        swept = sum(shared_state(m)["swept"] for m in (a, b))
+        assert swept >= (32 * CHUNK - capacity) // CHUNK
+        gone = next(
+            f"wa/c{i:03d}.bin" for i in range(16) if not (served / f"wa/c{i:03d}.bin").exists()
+        )
+        with pytest.raises(FileNotFoundError):  # evicted: a miss on both hosts, not EIO
+            (b.path / gone).read_bytes()
+
+
+def test_a_killed_lease_holder_is_replaced_over_sshfs(
+    tmp_path: Path, own_share: tuple[Path, list[Path]]
+) -> None:
+    """Two hosts, each over its own sshfs mount, one capacity: kill -9 of the lease holder
+    while the other writes; the other takes the lease (the lease file read through its own
+    sshfs client, link() to take it, rename() to break the stale one) and the share is back
+    under its capacity, no write refused."""
+    served, backings = own_share
+    capacity = 4 << 20
+    with fleet(tmp_path, HOSTS, "--capacity", "4M", backings=backings) as mounts:
+        holder = holder_of(mounts)
+        other = next(m for m in mounts if m is not holder)
+        (other.path / "ns").mkdir()
+        write_chunks(other, "ns/before-", 15, [])  # near the high watermark
+        failures: list[OSError] = []
+        writer = threading.Thread(target=write_chunks, args=(other, "ns/after-", 32, failures))
+        writer.start()
+        try:
+            wait_for("a sweep", lambda: shared_state(holder)["swept"] > 0)
+            killed = time.monotonic()
+            holder.kill()  # kill -9; its dead kvfs mount is cleared, its sshfs mount stays
+            wait_for("the takeover", lambda: shared_state(other)["lease_holder"], timeout=60)
+            took = time.monotonic() - killed
+        finally:
+            writer.join()
+        print(f"sshfs: takeover {took:.2f}s after kill -9 (TTL {TTL}s)")
+        # The design's bound is TTL + TTL/3; sshfs round trips and a loaded machine add to
+        # it, so the test allows a few seconds more (the figure is printed and documented).
+        assert took <= TTL + TTL / 3 + 5
+        assert shared_state(other)["leases_broken"] == 1
+        other.settle()
+        wait_for("the sweep", lambda: share_bytes(served) <= capacity)
+        assert not failures  # the writes waited for the new sweeper, none was refused
