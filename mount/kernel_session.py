@@ -369,9 +369,9 @@ def _mount_devices(path: str) -> list[tuple[int, int]]:
 # -- wire encoding ----------------------------------------------------------------------------
 
 _NS = 1_000_000_000
-# The receive loop lets other tasks run at least every this many requests (else at each wait
-# for the next one): a pass through trio's scheduler per request was a sixth of an inline
-# lookup's cost.
+# The receive loop lets other tasks run at least every this many requests answered inline
+# (and at each wait for the next one, and after each task it starts): a pass through trio's
+# scheduler per request was a sixth of an inline lookup's cost.
 YIELD_EVERY = 8
 _MAX_TIMEOUT = 1 << 40  # seconds; the kernel turns a timeout into jiffies, saturating
 
@@ -670,6 +670,9 @@ class KernelSession:
                     unyielded = 0  # requests read since the loop last let other tasks run
                     while True:
                         if unyielded >= YIELD_EVERY:
+                            # (and after every task started: it runs up to its first wait
+                            # before the next request is read, so requests start in the
+                            # kernel's order; a RELEASE before the OPEN after it)
                             unyielded = 0
                             await trio.lowlevel.checkpoint()
                         try:  # a free slot without a pass through the scheduler
@@ -696,6 +699,7 @@ class KernelSession:
                             slots.release()
                             continue
                         nursery.start_soon(self._serve, req, slots)
+                        unyielded = YIELD_EVERY
                 # A handler that never returns must not keep the daemon from stopping: past
                 # the deadline its request stays unanswered until close() ends it.
                 nursery.cancel_scope.deadline = trio.current_time() + self.drain_timeout
