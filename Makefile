@@ -4,7 +4,7 @@
 VENV        := .venv
 PY          := $(VENV)/bin/python
 MOUNTPOINT  ?= /mnt/kv-cache
-APT_PKGS    := fuse3 libfuse3-dev pkg-config attr openssh-server sshfs
+APT_PKGS    := fuse3 libfuse3-dev pkg-config attr
 VLLM        := vllm==0.33.0
 TORCH       := torch==2.13.0
 
@@ -23,6 +23,9 @@ MOUNT_TESTS := tests/test_posix.py tests/test_posix_special.py tests/test_publis
 	tests/test_shared.py tests/test_shared_sshfs.py tests/test_fs_tier.py tests/test_vllm_interop.py \
 	tests/test_vllm_spec.py
 
+# The tests also need a loopback sshd and sshfs clients (a real shared filesystem); `make run`
+# installs no SSH server.
+test: APT_PKGS += openssh-server sshfs
 test: apt $(VENV)/.test lint
 	$(PY) -m pytest -q
 	KVFS_TEST_SESSION=kernel $(PY) -m pytest -q $(MOUNT_TESTS)
