@@ -92,12 +92,14 @@ class Share:
         self.own_skipped = 0  # lines of our own journal skipped at mount
         self.last_tail = time.monotonic()
         self._stamp = 0
+        # Set (and replaced) when what they name happens; made before _load(), which may
+        # already remove entries (a trio.Event needs no running loop).
+        self.changed = trio.Event()  # a chunk went, or this host took the lease
+        self._flush_wanted = trio.Event()
+        self._progress = trio.Event()  # a journal write or a publish completed
+        self._tail_wanted = trio.Event()
+        self._sweep_wanted = trio.Event()
         self._load()
-        # Created in start(), once trio runs.
-        self.changed: trio.Event
-        self._flush_wanted: trio.Event
-        self._tail_wanted: trio.Event
-        self._sweep_wanted: trio.Event
         self._tail_lock: trio.Lock
 
     @property
@@ -171,9 +173,8 @@ class Share:
             or self.view.used > LOW_WATERMARK * capacity
         ):  # near the bound, the others must hear of it now
             self._flush_soon()
-        sweep = getattr(self, "_sweep_wanted", None)
-        if sweep is not None and self.view.used > SWEEP_AT * capacity:
-            sweep.set()
+        if self.view.used > SWEEP_AT * capacity:
+            self._sweep_wanted.set()
 
     def removed(self, rel: bytes, stamp: int | None = None) -> None:
         stamp = self._now() if stamp is None else stamp
@@ -183,10 +184,8 @@ class Share:
 
     def _wake_waiters(self) -> None:
         """Publishes waiting for room look again (a chunk went, or this host took the lease)."""
-        changed = getattr(self, "changed", None)
-        if changed is not None:
-            changed.set()
-            self.changed = trio.Event()
+        self.changed.set()
+        self.changed = trio.Event()
 
     def forget(self, rel: bytes) -> None:
         """Another host removed it (an open found it gone): out of the view, not journaled."""
@@ -210,18 +209,11 @@ class Share:
         self.pending.append(line)
 
     def _flush_soon(self) -> None:
-        flush = getattr(self, "_flush_wanted", None)
-        if flush is not None:
-            flush.set()
+        self._flush_wanted.set()
 
     # -- the loops ---------------------------------------------------------------------------
 
     def start(self, nursery: trio.Nursery) -> None:
-        self.changed = trio.Event()
-        self._flush_wanted = trio.Event()
-        self._progress = trio.Event()  # a journal write or a publish completed
-        self._tail_wanted = trio.Event()
-        self._sweep_wanted = trio.Event()
         self._tail_lock = trio.Lock()
         nursery.start_soon(self.flush_forever)
         nursery.start_soon(self.tail_forever)
@@ -451,10 +443,8 @@ class Share:
         self._wake_progress()
 
     def _wake_progress(self) -> None:
-        progress = getattr(self, "_progress", None)
-        if progress is not None:
-            progress.set()
-            self._progress = trio.Event()
+        self._progress.set()
+        self._progress = trio.Event()
 
     async def admit(self, need: int) -> None:
         """Room for a publish of ``need`` bytes (on disk) under the share's high watermark
