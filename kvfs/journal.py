@@ -483,6 +483,16 @@ class Tail:
             self.fd = -1
 
 
+def directory_stamp(root: bytes) -> tuple[int, int] | None:
+    """What changes when a journal appears in the journal directory (its inode and mtime):
+    one stat, where listing it costs a readdir (a round trip per page on a network share)."""
+    try:
+        st = os.stat(os.path.join(root, JOURNAL_DIR))
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 def hosts(root: bytes) -> list[str]:
     """Every host with a log in the share's journal directory."""
     try:

@@ -53,7 +53,9 @@ FLUSH_SECONDS = 1.0  # the journal is written once a second (like recency)
 # ... and at once when unwritten publishes pass this share of the capacity, or the share is
 # past its low watermark
 TAIL_SECONDS = 0.2  # the other hosts' journals are read this often
-DISCOVER_SECONDS = 1.0  # and the journal directory listed for new hosts this often
+# The journal directory is listed for new hosts at every read when its mtime changed, and this
+# often in any case (a filesystem with coarse mtimes may not show a second new journal).
+DISCOVER_SECONDS = 1.0
 SWEEP_SECONDS = 0.5  # the lease holder looks at the share's usage this often
 # Publishes are admitted up to the high watermark: the rest of the capacity is the room for
 # what the other hosts publish meanwhile (unseen until their journals are read). The sweeper
@@ -80,6 +82,7 @@ class Share:
         self.writer = journal.Writer(self.root, self.host)
         self.lease = Lease(self.root, self.host, store.tmp_dir, ttl)
         self.tails: dict[str, journal.Tail] = {}
+        self._journals_seen: tuple[int, int] | None = None  # the directory as last listed
         self.pending: list[bytes] = []
         self.pending_published = 0  # bytes of the pending P lines
         self.flushing = 0  # bytes of the P lines being written
@@ -299,7 +302,12 @@ class Share:
                     self._sweep_wanted.set()
 
     def _poll(self, discover: bool) -> list[tuple[str, list[Record]]]:
-        """On the pool: new hosts' journals found, and every tail read on."""
+        """On the pool: new hosts' journals found, and every tail read on. A host that joins
+        while the others write must count at once: until they know of it, what it publishes
+        is room none of them keeps."""
+        stamp = journal.directory_stamp(self.root)
+        if stamp != self._journals_seen:
+            discover, self._journals_seen = True, stamp
         for host in journal.hosts(self.root) if discover else ():
             if host != self.host and host not in self.tails:
                 self.tails[host] = journal.Tail(host)

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvfs import journal
 from kvfs.buffers import on_disk
+from kvfs.config import daemon_log
 from tests.conftest import SESSION_OPTIONS, Mount, free_port, kvfs
 from tests.test_cli import assert_refused
 
@@ -50,6 +51,14 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mount, Mou
         a.stop()
 
 
+@pytest.fixture
+def lag() -> float:
+    """Seconds another host's publish or removal may take to show past what each test allows
+    (0 on one local directory; tests/test_shared_sshfs.py runs the cross-host tests below
+    again over sshfs, with its own ``hosts`` and ``lag``)."""
+    return 0.0
+
+
 def write(mount: Mount, rel: str, data: bytes) -> None:
     path = mount.path / rel
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,21 +78,20 @@ def test_a_chunk_published_by_one_host_is_a_byte_exact_hit_on_the_other(
 
 
 def test_a_miss_is_cached_briefly_then_another_hosts_publish_is_found(
-    hosts: tuple[Mount, Mount],
+    hosts: tuple[Mount, Mount], lag: float
 ) -> None:
     a, b = hosts
     write(a, "late/x.bin", b"first")
     late = b.path / "late" / "y.bin"
     assert not late.exists()  # a negative entry in b's kernel, for a second
     write(a, "late/y.bin", b"published meanwhile")
-    start = time.monotonic()
-    while not late.exists():
-        assert time.monotonic() - start < 3, "the miss was cached too long"
-        time.sleep(0.05)
+    wait_for("another host's publish, once the miss lapses", late.exists, timeout=3 + lag)
     assert late.read_bytes() == b"published meanwhile"
 
 
-def test_a_chunk_another_host_removed_is_a_miss_never_eio(hosts: tuple[Mount, Mount]) -> None:
+def test_a_chunk_another_host_removed_is_a_miss_never_eio(
+    hosts: tuple[Mount, Mount], lag: float
+) -> None:
     a, b = hosts
     for name in ("gone/u.bin", "gone/e.bin"):
         write(a, name, os.urandom(8192))
@@ -92,12 +100,21 @@ def test_a_chunk_another_host_removed_is_a_miss_never_eio(hosts: tuple[Mount, Mo
     def gone() -> int:  # found gone at an open, or dropped when a's journal said so
         return counters(b)["gone_elsewhere"] + share(b)["dropped"]
 
+    def a_miss(name: str) -> bool:
+        """b's read of ``name``: a miss (over a network share b may serve the whole chunk it
+        holds until a's journal is read, within ``lag``: never wrong bytes); never EIO."""
+        try:
+            data = (b.path / name).read_bytes()
+        except FileNotFoundError:
+            return True
+        assert len(data) == 8192
+        return False
+
     before = gone()
     (a.path / "gone/u.bin").unlink()  # unlinked through a
     kvfs("evict", str(a.path), "--namespace", "gone")  # and evicted through a
     for name in ("gone/u.bin", "gone/e.bin"):
-        with pytest.raises(FileNotFoundError):
-            (b.path / name).read_bytes()
+        wait_for(f"{name} a miss on b", lambda: a_miss(name), timeout=lag)  # noqa: B023
         assert not (b.path / name).exists()
     assert gone() == before + 2
 
@@ -121,6 +138,7 @@ def test_one_name_published_by_both_hosts_keeps_one_whole_file(
         assert (a.path / "race" / name).read_bytes() == ours
     assert counters(b)["publish_conflicts"] == before + 1  # the same bytes are no conflict
     assert counters(a)["publish_conflicts"] == 0
+    assert "another host published other bytes" in daemon_log(b.path).read_text()
 
 
 def test_a_rename_onto_a_name_another_host_took_keeps_theirs(hosts: tuple[Mount, Mount]) -> None:
@@ -347,14 +365,31 @@ def test_one_capacity_holds_for_the_share_under_writers_on_every_host(tmp_path: 
             f"{final / capacity:.3f}; {written >> 20} MiB written, {len(failures)} refused"
         )
         assert samples >= 10
-        # The peak is printed, not asserted: the design bounds it by 95 % + 1 % per other host
-        # (0.95-0.98 in most runs), but clean-clone CI runs saw 1.10 and 1.34 (a known defect,
-        # issue 16 stays open: docs/research/fleet-design.md, "Known limits"). Once the
-        # writers stop, the share is back under its capacity, and every host agrees.
-        assert final <= capacity
+        # The design bounds the peak by 95 % + 1 % per other host; the issue asks within 5 %.
+        # (1.1-1.3 were seen while a host that joined stayed unknown to the others for a
+        # second: test_a_host_that_joins_counts_at_the_next_publish_of_the_others.)
+        assert peak <= 1.05 * capacity
+        assert final <= capacity  # and back under it once the writers stop; every host agrees
         assert all(share(m)["used"] == final for m in mounts)  # one view of the share
         evicted = sum(share(m)["swept"] for m in mounts)
         assert evicted * SMALL >= written - final - len(failures) * SMALL
+
+
+def test_a_host_that_joins_counts_at_the_next_publish_of_the_others(tmp_path: Path) -> None:
+    """A host that joins while the others write is room none of them keeps until they read
+    its journal: each host looks for new journals at its next publish (one stat of the journal
+    directory), not at the next periodic listing a second later (peaks of 1.1-1.3 before)."""
+    with fleet(tmp_path, ("a",)) as (a,):
+        (a.path / "ns").mkdir()
+        write(a, "ns/before.bin", os.urandom(SMALL))
+        b = shared_mount(tmp_path, a.backing, "b")
+        b.options = (*b.options, "--lease-ttl", str(TTL))
+        try:
+            b.start()
+            write(a, "ns/after.bin", os.urandom(SMALL))
+            assert "b" in share(a)["hosts"]
+        finally:
+            b.stop()
 
 
 def journal_has(backing: Path, host: str, op: str, paths: set[bytes]) -> bool:

@@ -24,7 +24,7 @@ from kvfs.config import daemon_log
 from tests.conftest import SESSION_OPTIONS, Mount, kvfs
 from tests.sshfs import SshServer, Unavailable, listening_addresses, shared_sshfs
 from tests.test_batch_lookup import ask, chunk, store
-from tests.test_shared import (
+from tests.test_shared import (  # noqa: F401 (the test_*: run again here over sshfs)
     CHUNK,
     TTL,
     caught_up,
@@ -32,6 +32,11 @@ from tests.test_shared import (
     fleet,
     holder_of,
     share_bytes,
+    test_a_chunk_another_host_removed_is_a_miss_never_eio,
+    test_a_chunk_published_by_one_host_is_a_byte_exact_hit_on_the_other,
+    test_a_miss_is_cached_briefly_then_another_hosts_publish_is_found,
+    test_a_rename_onto_a_name_another_host_took_keeps_theirs,
+    test_one_name_published_by_both_hosts_keeps_one_whole_file,
     wait_for,
     write,
     write_chunks,
@@ -77,6 +82,13 @@ def share(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Share]:
 @pytest.fixture(scope="module")
 def hosts(share: Share) -> tuple[Mount, Mount]:
     return share.kvfs["a"], share.kvfs["b"]
+
+
+@pytest.fixture
+def lag() -> float:
+    """Seconds another host's change may take to show here past what the tests allow on one
+    local directory (1 s unloaded; generous, as the bounds are asserted there)."""
+    return 30.0
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> float:
@@ -178,57 +190,6 @@ def test_appends_from_two_hosts_keep_every_line_whole(share: Share) -> None:
 # -- kvfs's shared promises over sshfs --------------------------------------------------------
 
 
-def test_a_chunk_published_by_one_host_is_a_byte_exact_hit_on_the_other(
-    hosts: tuple[Mount, Mount],
-) -> None:
-    a, b = hosts
-    data = os.urandom((1 << 20) + 123)
-    write(a, "hit/layer0/c1.bin", data)
-    before = counters(b)["fell_through"]
-    assert (b.path / "hit/layer0/c1.bin").read_bytes() == data
-    assert counters(b)["fell_through"] == before + 3  # hit, hit/layer0, the chunk
-
-
-def test_another_hosts_publish_is_found_once_the_miss_lapses(
-    hosts: tuple[Mount, Mount],
-) -> None:
-    a, b = hosts
-    write(a, "late/x.bin", b"first")
-    late = b.path / "late" / "y.bin"
-    assert not late.exists()  # a negative entry in b's kernel, for MISS_TIMEOUT (1 s)
-    write(a, "late/y.bin", b"published meanwhile")
-    wait_until(late.exists, 30, "another host's publish")  # 1 s here, unloaded
-    assert late.read_bytes() == b"published meanwhile"
-
-
-def test_a_chunk_another_host_removed_is_a_miss_never_eio(hosts: tuple[Mount, Mount]) -> None:
-    a, b = hosts
-    for name in ("gone/u.bin", "gone/e.bin"):
-        write(a, name, os.urandom(8192))
-        assert (b.path / name).read_bytes() == (a.path / name).read_bytes()  # b indexed it
-
-    def gone() -> int:  # found gone at an open, or dropped when a's journal said so
-        return counters(b)["gone_elsewhere"] + shared_state(b)["dropped"]
-
-    def a_miss(name: str) -> bool:
-        """b's read of ``name``: a miss at once as a rule (b may still serve the whole chunk
-        it holds until a's journal is read: rare, and never wrong bytes); never EIO."""
-        try:
-            data = (b.path / name).read_bytes()
-        except FileNotFoundError:
-            return True
-        assert len(data) == 8192
-        return False
-
-    before = gone()
-    (a.path / "gone/u.bin").unlink()
-    kvfs("evict", str(a.path), "--namespace", "gone")
-    for name in ("gone/u.bin", "gone/e.bin"):
-        wait_until(lambda: a_miss(name), 30, f"{name} a miss on b")  # noqa: B023
-        assert not (b.path / name).exists()
-    assert gone() == before + 2
-
-
 def test_sshfs_caches_add_no_lateness_to_a_removal(
     share: Share, hosts: tuple[Mount, Mount]
 ) -> None:
@@ -256,41 +217,6 @@ def test_a_batched_lookup_finds_another_hosts_chunks(hosts: tuple[Mount, Mount])
     answer = ask(b, ("\n".join([base, *theirs, chunk(100), chunk(101)]) + "\n").encode())
     assert answer == bytes([proto.LOOKUP_HIT] * 8 + [proto.LOOKUP_MISS] * 2)
     assert (b.path / base / theirs[3]).read_bytes() == b"kv"
-
-
-def test_one_name_published_by_both_hosts_keeps_one_whole_file(
-    hosts: tuple[Mount, Mount],
-) -> None:
-    a, b = hosts
-    (a.path / "race").mkdir()
-    ours, theirs = os.urandom(300_000), os.urandom(200_000)
-    before = counters(b)["publish_conflicts"]
-    for name, b_bytes in (("same.bin", ours), ("other.bin", theirs)):
-        with open(a.path / "race" / name, "wb") as fa, open(b.path / "race" / name, "wb") as fb:
-            fa.write(ours)
-            fb.write(b_bytes)
-            fa.close()
-            a.settle()  # a publishes first; b's link() then finds the name taken
-        b.settle()
-        assert (a.backing / "race" / name).read_bytes() == ours
-        assert (b.path / "race" / name).read_bytes() == ours
-        assert (a.path / "race" / name).read_bytes() == ours
-    assert counters(b)["publish_conflicts"] == before + 1  # the same bytes are no conflict
-    assert counters(a)["publish_conflicts"] == 0
-    assert "another host published other bytes" in daemon_log(b.path).read_text()
-
-
-def test_a_rename_onto_a_name_another_host_took_keeps_theirs(hosts: tuple[Mount, Mount]) -> None:
-    a, b = hosts
-    write(a, "ren/seen.bin", b"x")
-    write(b, "ren/tmp.part", b"b's other bytes")
-    before = counters(b)["publish_conflicts"]
-    final = b.path / "ren" / "final.bin"
-    write(a, "ren/final.bin", b"a's bytes")
-    os.rename(b.path / "ren" / "tmp.part", final)
-    assert final.read_bytes() == b"a's bytes"
-    assert (a.backing / "ren" / "final.bin").read_bytes() == b"a's bytes"
-    assert counters(b)["publish_conflicts"] == before + 1
 
 
 def test_a_hung_server_costs_at_most_the_io_timeout(share: Share) -> None:
