@@ -287,6 +287,18 @@ class BackingStore:
         readies it for the rename that publishes it."""
         return self._new_tmp(os.O_RDWR, mode, self.spare_dir if spare else self.tmp_dir)
 
+    def open_spares(self, count: int) -> list[tuple[bytes, int]]:
+        """Up to ``count`` spare temp files (``open_tmp``, mode 0600: set at the publish) in one
+        call; as many as could be opened, an error only if none could."""
+        opened: list[tuple[bytes, int]] = []
+        try:
+            for _ in range(count):
+                opened.append(self.open_tmp(0o600, spare=True))
+        except OSError:
+            if not opened:
+                raise
+        return opened
+
     def seal_tmp(
         self,
         rel: bytes,

@@ -29,7 +29,7 @@ import math
 import os
 import stat
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -56,9 +56,9 @@ T = TypeVar("T")
 # A publish that meets a full backing disk evicts and tries again, this many times at most.
 DISK_FULL_RETRIES = 8
 RECENCY_PERSIST_SECONDS = 1.0
-# Temp files opened ahead for passthrough creates: a create then waits on no I/O. Crash-safe:
-# the next mount empties .kvfs/spare.
-SPARE_TMPS = 4
+# Temp files opened ahead for passthrough creates: a create then waits on no I/O. Refilled
+# half at a time, in one trip to the I/O pool. Crash-safe: the next mount empties .kvfs/spare.
+SPARE_TMPS = 8
 
 Attrs = tuple[int, int, int, tuple[int, int]]  # mode, uid, gid, (atime, mtime)
 
@@ -233,6 +233,7 @@ class Objects:
         self.checksum_failures = 0
         self._recency_dirty: dict[int, Node] = {}  # read since their recency was persisted
         self._spare_tmps: list[TmpFile] = []
+        self._to_close: deque[int] = deque()  # backing fds for the pool to close (close_later)
         self.adopted: set[int] = set()  # --shared: files a lookup found (another host's)
         index.on_release = self._released
         # --shared: one capacity and eviction order for the share, from the hosts' journals
@@ -290,27 +291,29 @@ class Objects:
                     self.share.reads(reads)
 
     async def keep_spare_tmps_forever(self) -> None:
-        """Keep SPARE_TMPS temp files open for the next passthrough creates, from the first
-        one on (a session that serves writes needs none). A store that fails (a full or
+        """Keep up to SPARE_TMPS temp files open for the next passthrough creates, from the
+        first one on (a session that serves writes needs none). A store that fails (a full or
         stalled disk) leaves the creates to open their own."""
         while True:
             await self._spare_wanted.wait()
             self._spare_wanted = trio.Event()
-            while len(self._spare_tmps) < SPARE_TMPS:
-                try:
-                    opened = partial(self.io.write, self.store.open_tmp, 0o600, True)
-                    spare = TmpFile(*await self.bounded(opened, undo=self._drop_spare))
-                except OSError as err:
-                    log.debug("no spare temp file: %s", err)
-                    break
-                self._spare_tmps.append(spare)
+            missing = SPARE_TMPS - len(self._spare_tmps)
+            try:
+                opened = partial(self.io.write, self.store.open_spares, missing)
+                spares = await self.bounded(opened, undo=self._drop_spares)
+            except OSError as err:
+                log.debug("no spare temp files: %s", err)
+                continue
+            self._spare_tmps.extend(TmpFile(*spare) for spare in spares)
 
-    def _drop_spare(self, opened: tuple[bytes, int]) -> None:
-        os.close(opened[1])
-        self.io.submit(Queue.WRITE, self.store.discard, opened[0])
+    def _drop_spares(self, opened: list[tuple[bytes, int]]) -> None:
+        for rel, fd in opened:
+            os.close(fd)
+            self.io.submit(Queue.WRITE, self.store.discard, rel)
 
     async def _new_tmp(self, mode: int) -> TmpFile:
-        self._spare_wanted.set()
+        if len(self._spare_tmps) <= SPARE_TMPS // 2:
+            self._spare_wanted.set()
         if self._spare_tmps:  # its mode is set at the publish, with the rest
             return self._spare_tmps.pop()
         return TmpFile(*await self.io.read(self.store.open_tmp, mode))
@@ -370,8 +373,17 @@ class Objects:
             undo(await future.wait())
 
     def close_later(self, fd: int) -> None:
-        """Close a backing fd off the event loop: a close can block on a stalled store."""
-        self.io.submit(Queue.READ, os.close, fd)
+        """Close a backing fd off the event loop: a close can block on a stalled store. The fds
+        given before the pool gets to them are closed in the same trip."""
+        self._to_close.append(fd)
+        if len(self._to_close) == 1:
+            self.io.submit(Queue.READ, self._close_pending)
+
+    def _close_pending(self) -> None:
+        """On the pool: close what close_later gave, until none is left."""
+        while self._to_close:
+            with contextlib.suppress(OSError):
+                os.close(self._to_close.popleft())
 
     # -- names ------------------------------------------------------------------------------
 
@@ -830,7 +842,7 @@ class Objects:
     async def _prepare_locked(self, node: Node, ws: WriteState, durable: bool) -> None:
         """Write the buffer to a temp file (or seal the passthrough one), with room reserved
         for it, unless done already."""
-        current, version = ws.prepared, await self._version(ws)
+        current, version = ws.prepared, self._version(ws)
         if current is not None:
             if current.version == version and (current.durable or not durable):
                 return
@@ -879,12 +891,14 @@ class Objects:
         published, version = sealed
         return dataclasses.replace(prepared, published=published, version=version)
 
-    async def _version(self, ws: WriteState) -> Any:
+    @staticmethod
+    def _version(ws: WriteState) -> Any:
         """What identifies the file's current bytes: the buffer's generation, or the size and
-        times of a passthrough file (the kernel writes it without telling us)."""
+        times of a passthrough file (the kernel writes it without telling us). An fstat of an
+        open file on a local filesystem (passthrough runs on no other) reads no disk: inline."""
         if ws.file is None:
             return ws.generation
-        return await self.io.read(self.store.version, ws.file.fd)
+        return BackingStore.version(ws.file.fd)
 
     def _discard(self, ws: WriteState, prepared: Prepared) -> None:
         """Let prepared bytes go, and the room held for them."""
@@ -916,7 +930,7 @@ class Objects:
                 # a chmod or touch after its close holds; one trip checks and seals
                 attrs = self._file_attrs(node)
                 sealed = await self._seal(ws, dataclasses.replace(prepared, attrs=attrs), True)
-            elif prepared.version == await self._version(ws):
+            elif prepared.version == self._version(ws):
                 sealed = prepared
             else:
                 sealed = None
