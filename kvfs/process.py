@@ -9,19 +9,28 @@ can be told from one that closed (or exited normally) and its partial file is ne
 
 from __future__ import annotations
 
+import os
+
 PF_EXITING = 0x4  # include/linux/sched.h
+
+
+def _read(path: str) -> bytes:
+    """A /proc file in one read (no buffered file object: these are read per request)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
 
 
 def thread_group(tid: int) -> int:
     """The process (thread group leader) of a thread; the FUSE request names the thread."""
     try:
-        with open(f"/proc/{tid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Tgid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return tid
+        status = _read(f"/proc/{tid}/status")
+        start = status.index(b"\nTgid:") + 6
+        return int(status[start : status.index(b"\n", start)])
+    except (OSError, ValueError):
+        return tid
 
 
 def groups(tid: int) -> frozenset[int]:
@@ -44,8 +53,7 @@ def killed_by_signal(pid: int) -> bool:
     exit code is only shown to a reader allowed to ptrace the process, such as root).
     """
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        stat = _read(f"/proc/{pid}/stat")
     except OSError:
         return False
     # Fields after the command name, which is in parentheses and may hold anything.
