@@ -1111,7 +1111,11 @@ class Objects:
                 self.io.submit(Queue.WRITE, self.store.discard, ws.file.rel)
         self.budget.release(ws.buffer.capacity)
         ws.buffer.release()
-        self.listener.attributes_changed(node)
+        if ws.file is None or ws.dirty or not node.on_backing:
+            # What the kernel holds came from the buffer, or from a file that is not published:
+            # it must ask again. (A passthrough file just published needs no word: its writes
+            # made the kernel drop what it held, and we answered since with that same file's.)
+            self.listener.attributes_changed(node)
         if not (ws.dirty and not node.on_backing and node.attached):
             return None
         # Never published: the name must not outlive the bytes it stood for.
