@@ -959,9 +959,19 @@ class Objects:
         pub = prepared.published
         assert pub is not None
         async with self._ns:
-            if not node.attached:  # unlinked while open: the bytes have no name to take
+            if not node.attached:  # unlinked, or renamed over, before its publish
                 node.size, node.blocks = pub.size, pub.blocks  # what its readers still read
-                self._discard_tmp(ws, prepared)  # the room held: released by _publish
+                if node.lookups or node.open_count:
+                    # The kernel may still open it through a name it resolved before: its bytes
+                    # wait where a retired file's do (`_retire`), uncharged, until the kernel
+                    # forgets it (`_released`).
+                    await self.io.read(
+                        self.store.rename, pub.tmp, self.store.unlinked_path(node.ino)
+                    )
+                    node.on_backing, node.checksum, node.verified = True, pub.checksum, True
+                    ws.dirty = False
+                else:
+                    self._discard_tmp(ws, prepared)  # the room held: released by _publish
                 return False
             rel = self.index.path(node)
             try:

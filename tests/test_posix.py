@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,43 @@ def test_rename_replaces_atomically_and_readers_keep_the_old_bytes(d: Path) -> N
         assert (d / "final").read_bytes() == b"new" * 1000
         assert reader.read() == b"old" * 1000
     assert sorted(os.listdir(d)) == ["final"]
+
+
+def test_a_file_renamed_over_before_its_publish_still_opens_through_an_earlier_lookup(
+    kv_mount: Mount, d: Path
+) -> None:
+    """The same race with the replaced file not published yet when the rename comes (its
+    last close, and so its publish, comes after the rename: a release is asynchronous): its
+    bytes must outlive the rename for whoever resolved it before, as a published file's do,
+    and go, uncharged, once the kernel forgets the file."""
+    usage = kv_mount.path / ".kvfs" / "usage.json"
+    before = json.loads(usage.read_bytes())
+    fd = os.open(d / "final", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    os.write(fd, b"old" * 1000)
+    held = os.dup(fd)  # the same open file: no release, so no publish, until both close
+    os.close(fd)
+    resolved = os.open(d / "final", os.O_PATH)
+    try:
+        (d / "tmp").write_bytes(b"new" * 1000)
+        os.rename(d / "tmp", d / "final")
+        os.close(held)  # its publish finds its name taken by the rename
+        kv_mount.settle()
+        assert (d / "final").read_bytes() == b"new" * 1000
+        with open(f"/proc/self/fd/{resolved}", "rb") as late:
+            assert late.read() == b"old" * 1000
+        os.unlink(d / "final")
+        with open(f"/proc/self/fd/{resolved}", "rb") as later:
+            assert later.read() == b"old" * 1000
+    finally:
+        os.close(resolved)
+    assert os.listdir(d) == []
+    after = json.loads(usage.read_bytes())
+    assert (after["used"], after["reserved"]) == (before["used"], 0)
+    unlinked = kv_mount.backing / ".kvfs" / "unlinked"
+    deadline = time.monotonic() + 10
+    while os.listdir(unlinked):  # the kernel forgets the inode once nothing holds it
+        assert time.monotonic() < deadline, os.listdir(unlinked)
+        time.sleep(0.05)
 
 
 def test_open_through_an_earlier_lookup_of_a_replaced_file_gets_the_old_bytes(
