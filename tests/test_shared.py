@@ -209,11 +209,17 @@ def share(mount: Mount) -> dict[str, Any]:
     return dict(state)
 
 
-def wait_for(what: str, condition: Callable[[], bool], timeout: float = 60) -> float:
-    """Poll until ``condition()``; returns the seconds it took."""
+def wait_for(
+    what: str,
+    condition: Callable[[], bool],
+    timeout: float = 60,
+    explain: Callable[[], str] = lambda: "",
+) -> float:
+    """Poll until ``condition()``; returns the seconds it took. ``explain``: what the
+    failure message adds (the state that never came right)."""
     start = time.monotonic()
     while not condition():
-        assert time.monotonic() - start < timeout, f"{what}: not within {timeout}s"
+        assert time.monotonic() - start < timeout, f"{what}: not within {timeout}s{explain()}"
         time.sleep(0.02)
     return time.monotonic() - start
 
@@ -329,6 +335,25 @@ def caught_up(mounts: list[Mount]) -> bool:
     return len({s["used"] for s in states}) == 1
 
 
+def disagreement(mounts: list[Mount], served: Path) -> str:
+    """For a failure message: what each host counts, what the share holds, and each log's end."""
+    lines = [f"\non disk: {share_bytes(served)} bytes in {sorted_files(served)}"]
+    for mount in mounts:
+        state = share(mount)
+        del state["hosts"]
+        lines.append(f"{mount.path.name}: {state}")
+        lines.extend(daemon_log(mount.path).read_text().splitlines()[-15:])
+    return "\n".join(lines)
+
+
+def sorted_files(backing: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(backing))
+        for p in backing.rglob("*")
+        if p.is_file() and p.relative_to(backing).parts[0] != ".kvfs"
+    )
+
+
 def test_one_capacity_holds_for_the_share_under_writers_on_every_host(tmp_path: Path) -> None:
     capacity = 16 << 20
     with fleet(tmp_path, ("a", "b", "c"), "--capacity", "16M") as mounts:
@@ -354,6 +379,7 @@ def test_one_capacity_holds_for_the_share_under_writers_on_every_host(tmp_path: 
             wait_for(
                 "the hosts agree with the disk",
                 lambda: caught_up(mounts) and share(mounts[0])["used"] == share_bytes(backing),
+                explain=lambda: disagreement(mounts, backing),
             )
         finally:
             peak, samples = sampler.stop()

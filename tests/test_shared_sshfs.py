@@ -29,6 +29,7 @@ from tests.test_shared import (  # noqa: F401 (the test_*: run again here over s
     TTL,
     caught_up,
     counters,
+    disagreement,
     fleet,
     holder_of,
     share_bytes,
@@ -387,6 +388,7 @@ def test_two_hosts_over_sshfs_share_one_cache_and_one_capacity(
             "the hosts agree with the disk",
             lambda: caught_up([a, b]) and shared_state(a)["used"] == share_bytes(served),
             timeout=120,
+            explain=lambda: disagreement([a, b], served),
         )
         final = share_bytes(served)
         print(f"sshfs: {final / capacity:.3f} of the capacity, {len(failures)} refused")
