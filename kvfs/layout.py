@@ -31,6 +31,7 @@ def host_dir(host: str) -> bytes:
 
 
 NAME_MAX = 255
+PATH_MAX = 4096  # Linux's longest path (and symlink target), its NUL included
 
 
 def is_reserved(parent_is_root: bool, name: bytes) -> bool:

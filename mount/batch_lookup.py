@@ -26,7 +26,6 @@ from kvfs.index import Index, Node
 from kvfs.mount.lookups import LookupCounts
 
 PENDING_MAX = 4 * proto.LOOKUP_MAX_REQUEST  # all handles together: memory a client can pin
-PATH_MAX = 4096
 SLICE = 8192  # names resolved between two yields to the event loop (other requests go on)
 
 
@@ -273,7 +272,7 @@ def _components(path: bytes, allow_empty: bool) -> list[bytes]:
         if allow_empty:
             return []
         raise _fail(errno.EINVAL)
-    if len(path) >= PATH_MAX:
+    if len(path) >= layout.PATH_MAX:
         raise _fail(errno.EINVAL)
     parts = path.split(b"/")
     for part in parts:

@@ -673,9 +673,12 @@ class Objects:
         )
 
     async def open_write(self, node: Node, truncate: bool) -> None:
-        """One more writer; the file's bytes are loaded first (verified) unless truncated."""
+        """One more writer; the file's bytes are loaded first (verified) unless truncated. A
+        writer of a published file is served: none may pass through meanwhile."""
         if node.ino not in self.writes and not node.on_backing:
             raise fail(errno.ESTALE)
+        if node.passthrough_opens and self.passthrough_fd(node) is None:
+            raise fail(errno.ETXTBSY)
         await self.bounded(
             partial(self._open_write, node, truncate), undo=lambda _: self.drop_writer(node)
         )
@@ -1167,6 +1170,18 @@ class Objects:
         open of the file must pass through to it."""
         ws = self.writes.get(node.ino)
         return ws.file.fd if ws is not None and ws.file is not None else None
+
+    def may_pass_through(self, node: Node) -> bool:
+        """Whether a reader's open of ``node`` may pass through to its backing file (where
+        the session can). While the kernel passes an inode through, it fails any other open
+        that does not (EIO): a file written in passthrough is opened so by all; a published
+        one by readers once it is verified (--verify first-read), unless the daemon serves a
+        handle of it or it was published again in place (the page cache may hold another
+        version)."""
+        if node.passthrough_opens:
+            return True
+        first_read = self.cfg.verify == "first-read"
+        return first_read and node.verified and not node.rewritten and node.open_count == 0
 
     def size(self, node: Node) -> tuple[int, int]:
         """Size and 512-byte blocks to show: the buffer's while it differs from the published,
