@@ -30,10 +30,18 @@ test: apt $(VENV)/.test lint
 	$(PY) -m pytest -q
 	KVFS_TEST_SESSION=kernel $(PY) -m pytest -q $(MOUNT_TESTS)
 
+# mypy checks the package as it is installed, kvfs/ with mount/ and connector/ inside it
+# (setuptools' package-dir, which mypy cannot follow), from a tree of symlinks.
+MYPY_TREE := build/mypy/kvfs
+
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check kvfs mount connector tests tools
 	$(VENV)/bin/ruff format --check kvfs mount connector tests tools
-	$(VENV)/bin/mypy
+	rm -rf $(MYPY_TREE) && mkdir -p $(MYPY_TREE)
+	ln -s $(CURDIR)/kvfs/*.py $(MYPY_TREE)/
+	ln -s $(CURDIR)/mount $(CURDIR)/connector $(MYPY_TREE)/
+	cd $(dir $(MYPY_TREE)) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml \
+		--cache-dir $(CURDIR)/build/mypy-cache kvfs
 
 # openssh-server and sshfs are for tests/test_shared_sshfs.py, which starts an sshd of its own on
 # 127.0.0.1: a machine that had no sshd gets none started, now or at boot (Debian's
@@ -71,4 +79,4 @@ install: apt $(VENV)/.mount
 	if [ -d /etc/logrotate.d ]; then install -m 0644 packaging/logrotate/kvfs /etc/logrotate.d/kvfs; fi
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache build

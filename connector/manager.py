@@ -98,8 +98,8 @@ class TieringManager:
         metrics: ConnectorMetrics | None = None,
     ) -> None:
         self.config = config
-        self.chunk_bytes = host_view.strides[0]
-        self.num_slots = host_view.shape[0]
+        self.num_slots = len(host_view)  # (slots, chunk_bytes), contiguous: a row per slot
+        self.chunk_bytes = host_view.nbytes // max(self.num_slots, 1)
         self.host = HostCache(self.num_slots, config.eviction_policy)
         self._host_access = _HostAccess(self.host)
         self.metrics = metrics or ConnectorMetrics()
@@ -150,12 +150,12 @@ class TieringManager:
             promotion = self._promoting.get(key)
             if promotion is None:
                 return LookupResult.HIT_PENDING  # being stored from the device
-            tier, started = promotion
+            source, started = promotion
             if now - started < self.config.lookup_timeout_s:
                 return LookupResult.RETRY
             # A load that hangs: a miss for the request (its slot stays busy until it ends).
-            self._remember_failure(tier, key, now + FAILURE_TTL_S)
-            self.metrics.lookup(self.tiers[tier].name, "timeout", now - started)
+            self._remember_failure(source, key, now + FAILURE_TTL_S)
+            self.metrics.lookup(self.tiers[source].name, "timeout", now - started)
             return LookupResult.MISS
         if not any((index, key) in self._asking for index in range(len(self.tiers))):
             self.metrics.lookup(HOST, "miss")  # once per miss, not once per step it waits

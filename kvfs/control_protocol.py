@@ -20,7 +20,7 @@ import os
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 CONTROL_DIR = ".kvfs"
 USAGE = "usage.json"
@@ -41,7 +41,14 @@ PID = PREFIX + "pid"
 BACKING = PREFIX + "backing"
 EVICTIONS = PREFIX + "evictions"
 UNPUBLISHED = PREFIX + "unpublished"
-ROOT_COUNTS = ("pid", "capacity", "used", "checksum_failures", "deadline_expiries")
+RootCount = Literal["pid", "capacity", "used", "checksum_failures", "deadline_expiries"]
+ROOT_COUNTS: tuple[RootCount, ...] = (
+    "pid",
+    "capacity",
+    "used",
+    "checksum_failures",
+    "deadline_expiries",
+)
 EVICT = PREFIX + "evict"
 EVICTED = PREFIX + "evicted."  # + the request's id
 VERIFY = PREFIX + "verify"

@@ -83,6 +83,7 @@ class BackingStore:
         self.host = host  # --shared: this daemon's host id; None: it owns the directory alone
         self.xattrs = True  # cleared if the backing filesystem refuses user xattrs
         self.direct_io = False  # set by prepare() if the backing filesystem takes O_DIRECT
+        self.hides_unlinked = False  # set by prepare(): see _probe_hiding
         self._lock_fds: list[int] = []
         # Temp, spare and unlinked files: the daemon's own; a shared one's are per host, so a
         # mount empties only what its own earlier run left (another host's are in use).
@@ -113,9 +114,12 @@ class BackingStore:
         for directory in private[:3]:
             with os.scandir(self.abs(directory)) as entries:
                 for entry in entries:
-                    os.unlink(entry.path)
-                    removed += 1
+                    # A hidden file (_aside) may go meanwhile: its client's late release.
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+                        removed += 1
         self.direct_io = self._probe_direct_io()
+        self.hides_unlinked = self._probe_hiding()
         return removed
 
     def _take_locks(self) -> None:
@@ -174,6 +178,19 @@ class BackingStore:
         finally:
             os.close(fd)
             os.unlink(path)
+
+    def _probe_hiding(self) -> bool:
+        """Whether a file unlinked while open here is renamed aside instead (sshfs's
+        ``.fuse_hidden*``, NFS's silly rename) until its release. libfuse can lose that release
+        when it races the unlink: the file then stays, its space counted by no one (``_aside``
+        keeps such files in the temp directory)."""
+        probe = os.path.join(self.tmp_dir, b"hiding_probe")
+        fd = os.open(self.abs(probe), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.unlink(self.abs(probe))
+            return bool(os.listdir(self.abs(self.tmp_dir)))  # emptied by prepare()
+        finally:
+            os.close(fd)
 
     @property
     def _direct_flag(self) -> int:
@@ -357,7 +374,18 @@ class BackingStore:
 
     def discard(self, rel: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.abs(rel))
+            os.unlink(self._aside(rel))
+
+    def _aside(self, rel: bytes) -> bytes:
+        """The path to unlink ``rel`` by. Where the backing filesystem hides a file unlinked
+        while open (``_probe_hiding``), the name is first moved into this daemon's temp
+        directory: what the client may leave behind then lies there, emptied at the next
+        mount, not among the chunks, where no one would count or remove it."""
+        if not self.hides_unlinked or rel.startswith(layout.PRIVATE_DIR + b"/"):
+            return self.abs(rel)
+        aside = self.abs(os.path.join(self.tmp_dir, b"gone-" + os.urandom(8).hex().encode()))
+        os.rename(self.abs(rel), aside)
+        return aside
 
     def open_reader(self, rel: bytes, direct: bool = True) -> int:
         """Open a backing file for ``read_verified`` (O_DIRECT where the filesystem takes it),
@@ -523,7 +551,7 @@ class BackingStore:
         os.rmdir(self.abs(rel))
 
     def unlink(self, rel: bytes) -> None:
-        os.unlink(self.abs(rel))
+        os.unlink(self._aside(rel))
 
     def rename(self, old: bytes, new: bytes) -> None:
         os.rename(self.abs(old), self.abs(new))

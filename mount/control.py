@@ -83,8 +83,8 @@ def report(
         "pinned_bytes": index.pinned_bytes(),
         "files": index.files,
         "bytes": index.bytes,
-        "evictions": dict(evictor.evictions),
-        "evicted_bytes": dict(evictor.evicted_bytes),
+        "evictions": {str(why): n for why, n in evictor.evictions.items()},
+        "evicted_bytes": {str(why): n for why, n in evictor.evicted_bytes.items()},
         "counters": objects.counters.report(),
         "lookups": {
             "hit": sum(c["hit"] for c in lookups.values()),

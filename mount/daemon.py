@@ -116,6 +116,13 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
         orphans + engine_temps,
     )
     kind = sessions.filesystem_type(cfg.backing)
+    if store.hides_unlinked:
+        log.info(
+            "backing directory on %s hides a file unlinked while open (.fuse_hidden*, .nfs*)"
+            " until it is closed, and may keep it when the close races the unlink: names are"
+            " unlinked from this daemon's .kvfs/ temp directory, emptied at each mount",
+            kind,
+        )
     if kind.startswith("fuse"):  # sshfs and its kin answer flock in this host's kernel only
         log.warning(
             "backing directory on %s: its locks hold on this host only, so kvfs cannot refuse"

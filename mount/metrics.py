@@ -62,7 +62,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         self._report: Callable[[], Report] | None = None
         self._token: trio.lowlevel.TrioToken | None = None
-        self._last: Report = {}  # the last report a scrape got
+        self._last: Report | None = None  # the last report a scrape got
         self.latency = Histogram(
             "kvfs_operation_duration_seconds",
             "Time to answer a FUSE request, by operation",
@@ -107,9 +107,9 @@ class Metrics:
         finally:
             self._token = None
 
-    def current(self) -> Report:
+    def current(self) -> Report | None:
         """The daemon's report now, computed on the event loop (called from a scrape's
-        thread); {} before the loop serves. If the loop does not answer within
+        thread); None before the loop serves. If the loop does not answer within
         LOOP_ANSWER_SECONDS, the last report a scrape got."""
         token, report = self._token, self._report
         if token is None or report is None:
@@ -181,7 +181,7 @@ class _ReportCollector:
             "1, labelled with the kvfs version, the FUSE session and the Python version",
             labels=["version", "session", "python"],
         )
-        info.add_metric([__version__, s["session"]["name"], platform.python_version()], 1)
+        info.add_metric([__version__, str(s["session"]["name"]), platform.python_version()], 1)
         yield info
         yield from _space(s)
         yield from _activity(s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Sequence
 from functools import partial
 
 import pyfuse3
@@ -125,10 +126,10 @@ class NameRequests(pyfuse3.Operations):
             min(self.cfg.cache_timeout, MISS_TIMEOUT) if shared else self.cfg.cache_timeout
         )
 
-    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         self.forget_now(inode_list)
 
-    def forget_now(self, inode_list: list[tuple[int, int]]) -> None:
+    def forget_now(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, count in inode_list:
             self.index.forget(ino, count)
 

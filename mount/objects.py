@@ -345,7 +345,7 @@ class Objects:
             raise DeadlineExpired()
 
     async def bounded(
-        self, fn: Callable[[], Awaitable[T]], undo: Callable[[T], None] | None = None
+        self, fn: Callable[[], Awaitable[T]], undo: Callable[[T], object] | None = None
     ) -> T:
         """Run an operation to completion in its own task; wait for it within the deadline.
 
@@ -368,7 +368,7 @@ class Objects:
         return self._detached.start(fn)
 
     @staticmethod
-    async def _undo_late(future: Future[T], undo: Callable[[T], None]) -> None:
+    async def _undo_late(future: Future[T], undo: Callable[[T], object]) -> None:
         with contextlib.suppress(Exception):  # it failed after all: nothing to undo
             undo(await future.wait())
 

@@ -166,12 +166,14 @@ class KvfsOperations(NameRequests):
         # published again in place is read past the page cache, which holds one version only.
         return self._file_info(handle, keep_cache=not node.rewritten)
 
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+    async def read(  # type: ignore[override]  # both sessions take any buffer: no copy
+        self, fh: int, off: int, size: int
+    ) -> bytes | memoryview:
         if fh in self.batch_lookups.handles:
             return await self.batch_lookups.read(fh, off, size)
-        content = self.handles.control(fh)
-        if content is not None:
-            return content[off : off + size]
+        generated = self.handles.control(fh)
+        if generated is not None:
+            return generated[off : off + size]
         handle = self.handles.file(fh)
         reader = handle.reader
         if handle.writable or reader is None or reader.unpublished:  # opened while written
@@ -182,7 +184,8 @@ class KvfsOperations(NameRequests):
             handle.content = self.objects.start_detached(
                 partial(self.objects.load, handle.node, handle.reader)
             )
-        handle.reader, content = await self.objects.wait(handle.content)
+        version, content = await self.objects.wait(handle.content)
+        handle.reader = version
         return content.read(off, size)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:

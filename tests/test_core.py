@@ -130,6 +130,7 @@ def test_store_scan_rebuilds_the_index_and_drops_orphans(tmp_path: Path) -> None
     again = BackingStore(os.fsencode(tmp_path))
     assert again.prepare() == 2
     assert not os.listdir(tmp_path / ".kvfs" / "spare")
+    assert not again.hides_unlinked and not os.listdir(tmp_path / ".kvfs" / "tmp")  # its probe
     index = Index()
     assert again.scan(index) == 1
     assert (index.files, index.bytes) == (1, 5000)

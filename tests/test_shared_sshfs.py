@@ -403,6 +403,28 @@ def test_two_hosts_over_sshfs_share_one_cache_and_one_capacity(
             (b.path / gone).read_bytes()
 
 
+def test_a_chunk_evicted_while_its_host_has_it_open_leaves_nothing_among_the_chunks(
+    tmp_path: Path, own_share: tuple[Path, list[Path]]
+) -> None:
+    """sshfs hides a file its client has open when that client unlinks it (.fuse_hidden*, until
+    the release; for good when the release races the unlink, as CI saw after the scrub's
+    reads). The daemon finds that at mount and unlinks from its own temp directory: what the
+    client keeps lies there (emptied at each mount), not among the chunks."""
+    served, backings = own_share
+    with fleet(tmp_path, ("a",), backings=backings[:1]) as (a,):
+        assert "hides a file unlinked while open" in daemon_log(a.path).read_text()
+        (a.path / "ns").mkdir()
+        write(a, "ns/c.bin", os.urandom(CHUNK))
+        with open(backings[0] / "ns" / "c.bin", "rb"):  # open in a's own sshfs client
+            assert "evicted 1 files" in kvfs("evict", str(a.path), "--namespace", "ns").stdout
+            assert not (a.path / "ns" / "c.bin").exists()
+            assert os.listdir(served / "ns") == []  # was [".fuse_hidden…"]
+            tmp = served / ".kvfs" / "hosts" / "a" / "tmp"
+            assert len(list(tmp.glob(".fuse_hidden*"))) == 1  # beside the lease's temp files
+        a.restart()
+        assert not list(tmp.glob(".fuse_hidden*"))
+
+
 def test_a_killed_lease_holder_is_replaced_over_sshfs(
     tmp_path: Path, own_share: tuple[Path, list[Path]]
 ) -> None:

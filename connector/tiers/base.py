@@ -96,7 +96,7 @@ class SecondaryTier(ABC):
     accepts_stores: ClassVar[bool] = True
 
     def __init__(self, host_view: memoryview, context: TierContext) -> None:
-        if host_view.ndim != 2 or host_view.strides[0] != context.chunk_bytes:
+        if host_view.ndim != 2 or (host_view.strides or (0,))[0] != context.chunk_bytes:
             raise ValueError("host_view must be (slots, chunk_bytes), a row per slot")
         self.host_view = host_view
         self.context = context
