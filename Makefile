@@ -26,6 +26,7 @@ MOUNT_TESTS := tests/test_posix.py tests/test_posix_special.py tests/test_publis
 # The tests also need a loopback sshd and sshfs clients (a real shared filesystem); `make run`
 # installs no SSH server.
 test: APT_PKGS += openssh-server sshfs
+test: export KVFS_TEST_SSHFS = required
 test: apt $(VENV)/.test lint
 	$(PY) -m pytest -q
 	KVFS_TEST_SESSION=kernel $(PY) -m pytest -q $(MOUNT_TESTS)

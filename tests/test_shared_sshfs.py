@@ -22,7 +22,13 @@ import pytest
 from kvfs import control_protocol as proto
 from kvfs.config import daemon_log
 from tests.conftest import SESSION_OPTIONS, Mount, kvfs
-from tests.sshfs import SshServer, Unavailable, listening_addresses, shared_sshfs
+from tests.sshfs import (
+    SshServer,
+    Unavailable,
+    listening_addresses,
+    shared_sshfs,
+    skip_or_fail,
+)
 from tests.test_batch_lookup import ask, chunk, store
 from tests.test_shared import (  # noqa: F401 (the test_*: run again here over sshfs)
     CHUNK,
@@ -77,7 +83,7 @@ def share(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Share]:
                 for mount in reversed(share.kvfs.values()):
                     mount.stop()
     except Unavailable as why:
-        pytest.skip(f"no sshfs share here: {why}")
+        skip_or_fail(why)
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +352,7 @@ def own_share(tmp_path: Path) -> Iterator[tuple[Path, list[Path]]]:
         with shared_sshfs(tmp_path, HOSTS) as (_, served, sshfs):
             yield served, [sshfs[h] for h in HOSTS]
     except Unavailable as why:
-        pytest.skip(f"no sshfs share here: {why}")
+        skip_or_fail(why)
 
 
 def test_two_hosts_over_sshfs_share_one_cache_and_one_capacity(
