@@ -156,6 +156,11 @@ class MountConfig:
     # The background scrub re-reads every published file at this many bytes per second and
     # quarantines what fails its checksum (0: off); it is what checks chunks read in passthrough.
     scrub_bytes_per_second: int = 16 << 20
+    # verify "first-read": bytes written past the page cache (O_DIRECT, passthrough) that may
+    # be published before their checksum is taken: reading them back at the publish would
+    # cost the disk a second trip while the writers wait on it. The sealer takes them when
+    # the writers pause (mount/sealer.py). 0: every such publish reads its file back itself.
+    checksum_backlog_bytes: int = 1 << 30
     # How long the kernel may cache names, misses and attributes. Safe to make long: every
     # change goes through the daemon, which invalidates what it changes behind the kernel.
     cache_timeout: float = 3600.0
@@ -176,6 +181,8 @@ class MountConfig:
             raise ConfigError("io_timeout: must be a positive number of seconds")
         if self.scrub_bytes_per_second < 0:
             raise ConfigError("scrub_bytes_per_second: must be zero (off) or more")
+        if self.checksum_backlog_bytes < 0:
+            raise ConfigError("checksum_backlog_bytes: must be zero (off) or more")
         if self.cache_timeout < 0:
             raise ConfigError("cache_timeout: must be zero or more seconds")
         parse_capacity(self.capacity, 1 << 40)  # the syntax; the daemon resolves percentages

@@ -10,7 +10,8 @@ Read on any node: ``pin`` (set on it), ``pinned`` (in effect: it or a directory 
 On a file: ``checksum``, ``hits``, ``last_read`` (only once read).
 On a namespace directory: ``model``, ``chunks``, ``bytes``, ``tokens``.
 On the root: ``pid``, ``backing``, ``capacity``, ``used``, ``evictions``, ``checksum_failures``,
-``deadline_expiries``, ``unpublished``, and ``evicted.<id>`` (an evict request's outcome).
+``deadline_expiries``, ``unpublished``, ``unsealed`` (published files whose checksum is not
+taken yet) and ``evicted.<id>`` (an evict request's outcome).
 Written: ``pin`` (0/1, anywhere), ``evict`` (JSON, on the root), ``verify`` (on a file).
 """
 
@@ -41,6 +42,7 @@ PID = PREFIX + "pid"
 BACKING = PREFIX + "backing"
 EVICTIONS = PREFIX + "evictions"
 UNPUBLISHED = PREFIX + "unpublished"
+UNSEALED = PREFIX + "unsealed"
 RootCount = Literal["pid", "capacity", "used", "checksum_failures", "deadline_expiries"]
 ROOT_COUNTS: tuple[RootCount, ...] = (
     "pid",
@@ -104,6 +106,7 @@ class Report(TypedDict):
     checksum_failures: int
     deadline_expiries: int
     scrub: dict[str, int]  # files, bytes, passes, failures
+    checksum_backlog: dict[str, int]  # deferred, sealed, waiting, waiting_bytes
     session: dict[str, object]  # name, passthrough, opens by kind
     queues: dict[str, QueueReport]  # read, write
     write_buffer: dict[str, int]  # used, capacity

@@ -142,6 +142,16 @@ OPTIONS: tuple[Option, ...] = (
         metavar="SIZE",
     ),
     Option(
+        "checksum-backlog",
+        "with --verify first-read: bytes written O_DIRECT in passthrough that may be "
+        "published before their checksum is taken, with K/M/G (0: each publish reads its "
+        "file back first); they are checksummed when the writers pause, or within 5 s",
+        field="checksum_backlog_bytes",
+        parse=parse_size,
+        show=format_size,
+        metavar="SIZE",
+    ),
+    Option(
         "cache-timeout",
         "seconds the kernel may cache names, misses and attributes (the daemon invalidates "
         "what it changes, so long is safe)",

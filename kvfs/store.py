@@ -74,7 +74,7 @@ class Published:
     tmp: bytes  # relative path of the temp file
     size: int
     blocks: int
-    checksum: str
+    checksum: str | None  # None: published before its checksum was taken (mount/sealer.py)
 
 
 class BackingStore:
@@ -327,14 +327,19 @@ class BackingStore:
         durable: bool,
         direct: bool = False,
         unchanged_since: tuple[int, int, int] | None = None,
+        with_checksum: bool = True,
     ) -> tuple[Published, tuple[int, int, int]] | None:
         """Checksum a temp file as it is now and set its attributes: the file and its version
         (size, mtime, ctime after sealing: any later write changes it). ``direct``: it was
         written past the page cache (O_DIRECT), so it is read back that way, not faulted in
-        page by page. None, touching nothing, if its version is no longer ``unchanged_since``."""
+        page by page; ``with_checksum=False`` leaves that to later (no xattr, checksum None).
+        None, touching nothing, if its version is no longer ``unchanged_since``."""
         if unchanged_since is not None and self.version(fd) != unchanged_since:
             return None
-        if direct and self.direct_io:
+        digest: str | None = None
+        if not with_checksum:
+            size = os.fstat(fd).st_size
+        elif direct and self.direct_io:
             reader = os.open(self.abs(rel), os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
             try:
                 digest, size = checksum.of_file_direct(reader)
@@ -353,17 +358,17 @@ class BackingStore:
     def _finish(
         self,
         fd: int,
-        digest: str,
+        digest: str | None,
         mode: int,
         uid: int,
         gid: int,
         times_ns: tuple[int, int],
         durable: bool,
     ) -> int:
-        """Checksum and attributes onto a written temp file; returns its 512-byte blocks."""
-        if self.xattrs and not checksum.write_xattr(fd, digest):
-            self.xattrs = False
-            log.warning("%s has no user xattrs: checksums are kept in memory only", self.root)
+        """Checksum (if taken) and attributes onto a written temp file; returns its 512-byte
+        blocks."""
+        if digest is not None:
+            self.keep_checksum(fd, digest)
         os.fchmod(fd, mode & 0o7777)
         if (uid, gid) != (os.geteuid(), os.getegid()):
             os.fchown(fd, uid, gid)
@@ -394,9 +399,11 @@ class BackingStore:
         flags = os.O_RDONLY | os.O_CLOEXEC | (self._direct_flag if direct else 0)
         return os.open(self.abs(rel), flags)
 
-    @staticmethod
-    def read_verified(fd: int, expected: str | None, pool: ExtentPool) -> ChunkBuffer:
-        """Read a whole open file into extents and check it against its checksum.
+    def read_verified(
+        self, fd: int, expected: str | None, pool: ExtentPool
+    ) -> tuple[ChunkBuffer, str]:
+        """Read a whole open file into extents and check it against its checksum; the bytes
+        and their checksum, stored with the file if it had none.
 
         Raises ChecksumMismatch if ``expected`` is set and differs, or if the file is shorter
         than fstat says. Each extent is asked for whole (aligned, as O_DIRECT needs); only the
@@ -415,20 +422,36 @@ class BackingStore:
             digest = buf.checksum()
             if expected is not None and digest != expected:
                 raise checksum.ChecksumMismatch(errno.EIO, f"checksum {digest} != {expected}")
+            if expected is None:
+                self._adopt(fd, digest)
         except BaseException:
             buf.release()
             raise
-        return buf
+        return buf, digest
 
-    def store_checksum(self, rel: bytes, digest: str) -> None:
-        """Adopt a file that arrived without a checksum (written around the mount)."""
-        if not self.xattrs:
-            return
-        fd = os.open(self.abs(rel), os.O_RDONLY | os.O_CLOEXEC)
+    def recheck(self, fd: int, expected: str | None) -> tuple[str, int]:
+        """The checksum of an open file as the disk holds it (O_DIRECT where it can, else
+        as read) and its size, stored with the file if it had none."""
+        digest, size = checksum.of_file_direct(fd)
+        if expected is None:
+            self._adopt(fd, digest)
+        return digest, size
+
+    def keep_checksum(self, fd: int, digest: str) -> None:
+        """Store a checksum with an open file (its xattr)."""
+        if self.xattrs and not checksum.write_xattr(fd, digest):
+            self.xattrs = False
+            log.warning("%s has no user xattrs: checksums are kept in memory only", self.root)
+
+    def _adopt(self, fd: int, digest: str) -> None:
+        """Keep the checksum just taken of a file that had none (written around the mount, or
+        published before its checksum). Given by fd, it lands on the inode that was read,
+        whatever name that has by now. Where it cannot be stored (another user's file, a
+        read-only store) the daemon keeps it in memory, and the read goes on."""
         try:
-            checksum.write_xattr(fd, digest)
-        finally:
-            os.close(fd)
+            self.keep_checksum(fd, digest)
+        except OSError as err:
+            log.info("checksum %s of an adopted file kept in memory only: %s", digest, err)
 
     def probe(self, rel: bytes) -> Found | None:
         """What the backing directory has under ``rel`` that the index lacks (a shared

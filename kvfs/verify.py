@@ -117,7 +117,7 @@ def _backing(target: Path, files: list[tuple[Path, int]], bar: tqdm) -> Report:
                 continue
             fd = os.open(file, os.O_RDONLY)
             try:
-                BackingStore.read_verified(fd, expected, pool).release()
+                store.read_verified(fd, expected, pool)[0].release()
                 report.files += 1
                 report.bytes += size
             except ChecksumMismatch:

@@ -93,6 +93,7 @@ def report(
         "checksum_failures": objects.checksum_failures,
         "deadline_expiries": objects.deadline_expiries,
         "scrub": dataclasses.asdict(scrub),
+        "checksum_backlog": dataclasses.asdict(objects.sealer.stats),
         "session": session,
         "queues": {
             q.value: {"waiting": objects.pool.depth(q), "running": objects.pool.busy[q]}
@@ -136,6 +137,7 @@ def xattrs(
         values[proto.EVICTIONS] = b"%d" % sum(state["evictions"].values())
         # Files open for writing or closed but not yet published (their last release).
         values[proto.UNPUBLISHED] = b"%d" % objects.unpublished
+        values[proto.UNSEALED] = b"%d" % objects.sealer.stats.waiting
         for request_id, result in EVICT_RESULTS.items():
             values[proto.EVICTED + request_id] = result
     return {name.encode(): value for name, value in values.items()}

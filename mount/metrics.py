@@ -297,6 +297,22 @@ def _health(s: Report) -> Iterator[Metric]:
         "Files the scrub found corrupt (each was quarantined)",
         scrub["failures"],
     )
+    backlog = s["checksum_backlog"]
+    yield _counter(
+        "kvfs_checksums_deferred",
+        "Files written O_DIRECT published before their checksum was taken",
+        backlog["deferred"],
+    )
+    yield _counter(
+        "kvfs_checksums_sealed",
+        "Of the files published before their checksum, those checksummed since",
+        backlog["sealed"],
+    )
+    yield GaugeMetricFamily(
+        "kvfs_checksum_backlog_bytes",
+        "Bytes of published files still waiting for their checksum",
+        value=backlog["waiting_bytes"],
+    )
 
 
 def _queues_and_namespaces(s: Report) -> Iterator[Metric]:

@@ -38,7 +38,7 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
-from kvfs import checksum, layout, namespaces, process
+from kvfs import layout, namespaces, process
 from kvfs.buffers import EXTENT, ChunkBuffer, ExtentPool, extents_for
 from kvfs.checksum import ChecksumMismatch
 from kvfs.config import MountConfig
@@ -47,6 +47,7 @@ from kvfs.io_queues import DualQueuePool, Queue
 from kvfs.mount import shared
 from kvfs.mount.bridge import IO, ByteBudget, Detached, Future
 from kvfs.mount.eviction import EvictionReason, Evictor
+from kvfs.mount.sealer import Sealer
 from kvfs.mount.share import Share
 from kvfs.store import BackingStore, Found, Published, fill_times
 
@@ -235,6 +236,12 @@ class Objects:
         self._spare_tmps: list[TmpFile] = []
         self._to_close: deque[int] = deque()  # backing fds for the pool to close (close_later)
         self.adopted: set[int] = set()  # --shared: files a lookup found (another host's)
+        # Checksums of files written past the page cache, taken after their publish where
+        # chunks are trusted once checked (first-read); not on a share, whose hosts compare
+        # checksums as they publish.
+        later = cfg.verify == "first-read" and store.host is None
+        backlog = cfg.checksum_backlog_bytes if later else 0
+        self.sealer = Sealer(backlog, self.recheck)
         index.on_release = self._released
         # --shared: one capacity and eviction order for the share, from the hosts' journals
         # (reads them all now, at mount); None on a backing directory of our own: no cost.
@@ -258,6 +265,7 @@ class Objects:
         else:  # the share's sweep (as the lease holder), journals and lease
             self.share.start(nursery)
         nursery.start_soon(self.persist_recency_forever)
+        nursery.start_soon(self.sealer.run_forever)
         self._spare_wanted = trio.Event()
         nursery.start_soon(self.keep_spare_tmps_forever)
 
@@ -870,11 +878,12 @@ class Objects:
         ws.prepared = prepared
 
     async def _seal(
-        self, ws: WriteState, prepared: Prepared, check: bool = False
+        self, ws: WriteState, prepared: Prepared, check: bool = False, with_checksum: bool = True
     ) -> Prepared | None:
         """Checksum a passthrough file as it is now and give it its attributes; sealing changes
         its ctime, so the version is the one after. ``check``: None, nothing done, if the file
-        changed since ``prepared`` was made (in the same trip to the I/O pool)."""
+        changed since ``prepared`` was made (in the same trip to the I/O pool).
+        ``with_checksum=False``: the attributes only (the sealer checksums it later)."""
         assert ws.file is not None
         mode, uid, gid, times = prepared.attrs
         sealed = await self.io.write(
@@ -888,11 +897,17 @@ class Objects:
             prepared.durable,
             ws.direct,
             prepared.version if check else None,
+            with_checksum,
         )
         if sealed is None:
             return None
         published, version = sealed
         return dataclasses.replace(prepared, published=published, version=version)
+
+    def _checksum_later(self, ws: WriteState, size: int) -> bool:
+        """Whether a passthrough file's publish leaves its checksum to the sealer: written past
+        the page cache (a read-back would cost the disk a second trip), and room in its backlog."""
+        return ws.direct and size > 0 and self.sealer.admits(size)
 
     @staticmethod
     def _version(ws: WriteState) -> Any:
@@ -929,10 +944,13 @@ class Objects:
                 self._discard(ws, prepared)
             return
         try:
-            if prepared.published is None:  # a passthrough file: checksummed at its publish
-                # a chmod or touch after its close holds; one trip checks and seals
+            if prepared.published is None:  # a passthrough file: sealed at its publish
+                # a chmod or touch after its close holds; one trip checks and seals (and takes
+                # its checksum, unless the sealer may take it later)
                 attrs = self._file_attrs(node)
-                sealed = await self._seal(ws, dataclasses.replace(prepared, attrs=attrs), True)
+                later = self._checksum_later(ws, prepared.version[0])
+                prepared = dataclasses.replace(prepared, attrs=attrs)
+                sealed = await self._seal(ws, prepared, check=True, with_checksum=not later)
             elif prepared.version == self._version(ws):
                 sealed = prepared
             else:
@@ -949,6 +967,8 @@ class Objects:
         finally:  # after set_published: the bytes are counted in one place at all times
             self.evictor.release(prepared.held)
         assert prepared.published is not None
+        if prepared.published.checksum is None and node.attached:
+            self.sealer.defer(node, prepared.published.size)
         if rewritten:
             self.listener.content_changed(node)
         elif prepared.published.blocks != math.ceil(prepared.published.size / 512):
@@ -984,7 +1004,7 @@ class Objects:
                 raise
             if found is not None:  # another host published this name first: theirs stays
                 ws.dirty = False
-                return self._lost_race(node, pub.checksum, found)
+                return self._lost_race(node, pub.checksum or "", found)
             attrs = self._file_attrs(node)
             if attrs != prepared.attrs:  # chmod, chown, touch after its close
                 mode, uid, gid, times = attrs
@@ -1384,33 +1404,34 @@ class Objects:
         """Check against the checksum of the version opened (a newer one may be published)."""
         expected = reader.checksum
         try:
-            data = await self.io.read(self.store.read_verified, reader.fd, expected, self.extents)
+            data, digest = await self.io.read(
+                self.store.read_verified, reader.fd, expected, self.extents
+            )
         except ChecksumMismatch as err:
             if node.checksum == expected:  # the version the tree serves is bad
                 await self._quarantine(node, str(err))
             raise
-        self._checked(node, expected, data.checksum())
+        self._checked(node, expected, digest)
         return data
 
     def _checked(self, node: Node, expected: str | None, digest: str) -> None:
-        """A version of the node read whole matched ``expected`` (or had no checksum)."""
-        if expected is None and node.checksum is None:  # written around the mount: adopt it
+        """A version of the node read whole matched ``expected``, or had no checksum and now
+        has ``digest`` (the store keeps it with the file it read)."""
+        if expected is None and node.checksum is None:  # it had none: it has now
             node.checksum = digest
-            if node.attached:
-                rel = self.index.path(node)
-                self.io.submit(Queue.WRITE, self.store.store_checksum, rel, digest)
-        if node.checksum == (expected or node.checksum):  # the version the tree serves
+        if node.checksum == (expected or digest):  # the version the tree serves
             node.verified = True
 
     async def recheck(self, node: Node) -> tuple[int, bool] | None:
         """Read a published file again, past the page cache where the store allows, and check
-        it (the scrub; no read is counted): its size and whether it matched. A mismatch
-        quarantines it. None if there is nothing to check (gone, or being written)."""
+        it (the scrub, the sealer; no read is counted): its size and whether it matched (a
+        file without a checksum has one from then on). A mismatch quarantines it. None if
+        there is nothing to check (gone, or being written)."""
         if not node.attached or not node.on_backing or node.ino in self.writes:
             return None
         reader = await self._open_backing(node)
         try:
-            digest, size = await self.io.read(checksum.of_file_direct, reader.fd)
+            digest, size = await self.io.read(self.store.recheck, reader.fd, reader.checksum)
         finally:
             self.close_later(reader.fd)
         if reader.checksum is not None and digest != reader.checksum:

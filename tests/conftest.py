@@ -51,11 +51,13 @@ class Mount:
 
     def settle(self, timeout: float = 10) -> None:
         """Wait until every file written through the mount is published (each is, at its
-        last release, which the kernel sends after close() has returned)."""
+        last release, which the kernel sends after close() has returned), with its checksum
+        (taken after the publish for files written O_DIRECT in passthrough)."""
         deadline = time.monotonic() + timeout
-        while os.getxattr(self.path, "user.kvfs.unpublished") != b"0":
-            assert time.monotonic() < deadline, "files still unpublished"
-            time.sleep(0.005)
+        for waiting in ("user.kvfs.unpublished", "user.kvfs.unsealed"):
+            while os.getxattr(self.path, waiting) != b"0":
+                assert time.monotonic() < deadline, f"{waiting} stays above 0"
+                time.sleep(0.005)
 
     def on_backing(self, path: str | Path) -> Path:
         """Where ``path`` (under the mount) lies in the backing directory, once every file

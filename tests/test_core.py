@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -146,14 +147,47 @@ def test_read_verified_rejects_flipped_bytes(tmp_path: Path) -> None:
     path.write_bytes(b"good bytes")
     good = checksum.checksum(b"good bytes")
     pool = ExtentPool(1 << 20)
+    store = BackingStore(os.fsencode(tmp_path))
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert bytes(BackingStore.read_verified(fd, good, pool).read(0, 100)) == b"good bytes"
+        data, digest = store.read_verified(fd, good, pool)
+        assert (bytes(data.read(0, 100)), digest) == (b"good bytes", good)
         os.pwrite(os.open(path, os.O_WRONLY), b"G", 0)
         with pytest.raises(checksum.ChecksumMismatch):
-            BackingStore.read_verified(fd, good, pool)
+            store.read_verified(fd, good, pool)
     finally:
         os.close(fd)
+
+
+def test_a_file_adopted_keeps_its_checksum_on_the_inode_read_or_in_memory(tmp_path: Path) -> None:
+    """A file without a checksum gets one when read whole, stored with the very inode read
+    (not by a name that may mean another file by then); where the xattr cannot be set (an
+    immutable file here), the read still succeeds and the caller keeps the checksum."""
+    store = BackingStore(os.fsencode(tmp_path))
+    pool = ExtentPool(1 << 20)
+    path = tmp_path / "f"
+    path.write_bytes(b"adopt me")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.rename(path, tmp_path / "g")  # another name by the time it is read
+        path.write_bytes(b"another file")
+        data, digest = store.read_verified(fd, None, pool)
+        assert digest == checksum.checksum(b"adopt me") and bytes(data.read(0, 8)) == b"adopt me"
+        assert checksum.read_xattr(os.fsencode(tmp_path / "g")) == digest
+        assert checksum.read_xattr(os.fsencode(path)) is None
+    finally:
+        os.close(fd)
+    if subprocess.run(["chattr", "+i", path], capture_output=True).returncode != 0:
+        pytest.skip("this filesystem has no immutable files")
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert store.recheck(fd, None) == (checksum.checksum(b"another file"), 12)
+        finally:
+            os.close(fd)
+        assert checksum.read_xattr(os.fsencode(path)) is None and store.xattrs
+    finally:
+        subprocess.run(["chattr", "-i", path], check=True)
 
 
 def test_chunk_buffer_writes_holes_truncates_and_reads_across_extents() -> None:

@@ -1,12 +1,14 @@
 """vLLM's fs-tier I/O pattern on the plain backing directory and through a kvfs mount, side by side.
 
     python -m tools.bench_mount [--json] [--repeats 3] [--total-mib 256] [--base DIR]
-                                [--sessions pyfuse3,kernel]
+                                [--sessions pyfuse3,kernel[,kernel-at-publish]]
 
 For 2 MiB and 16 MiB chunks and 1, 4 and 16 threads it measures, on every target in the same
 run (the plain directory, and a kvfs mount per FUSE session: ``pyfuse3`` serves and verifies
 every read; ``kernel`` is kvfs's own /dev/fuse session with ``--verify first-read``, where the
-kernel reads verified chunks straight from their backing files):
+kernel reads verified chunks straight from their backing files and an O_DIRECT store is
+checksummed after its publish; ``kernel-at-publish``, if asked for, the same with the checksum
+read back by the publish itself):
   store      GB/s of exists → mkdir -p → O_EXCL temp → one write → close → rename
   cold_load  GB/s of open → one readv, the page cache dropped (the chunk stored a while ago)
   warm_load  GB/s of the same loads again, right after a first read
@@ -293,10 +295,21 @@ def main() -> int:
     return 0
 
 
-# How each session is mounted: pyfuse3 as today; kvfs's own session with passthrough reads.
+# How each session is mounted: pyfuse3 as today; kvfs's own session with passthrough reads
+# (its O_DIRECT stores checksummed after the publish, when the writers pause: the read-back
+# then competes with the loads measured next); and the same with each publish reading its
+# file back before it returns (--checksum-backlog 0).
 SESSIONS = {
     "pyfuse3": ("--session", "pyfuse3"),
     "kernel": ("--session", "kernel", "--verify", "first-read"),
+    "kernel-at-publish": (
+        "--session",
+        "kernel",
+        "--verify",
+        "first-read",
+        "--checksum-backlog",
+        "0",
+    ),
 }
 
 
