@@ -368,7 +368,7 @@ class BackingStore:
         """Checksum (if taken) and attributes onto a written temp file; returns its 512-byte
         blocks."""
         if digest is not None:
-            self.keep_checksum(fd, digest)
+            self._keep_checksum(fd, digest)
         os.fchmod(fd, mode & 0o7777)
         if (uid, gid) != (os.geteuid(), os.getegid()):
             os.fchown(fd, uid, gid)
@@ -437,7 +437,7 @@ class BackingStore:
             self._adopt(fd, digest)
         return digest, size
 
-    def keep_checksum(self, fd: int, digest: str) -> None:
+    def _keep_checksum(self, fd: int, digest: str) -> None:
         """Store a checksum with an open file (its xattr)."""
         if self.xattrs and not checksum.write_xattr(fd, digest):
             self.xattrs = False
@@ -449,7 +449,7 @@ class BackingStore:
         whatever name that has by now. Where it cannot be stored (another user's file, a
         read-only store) the daemon keeps it in memory, and the read goes on."""
         try:
-            self.keep_checksum(fd, digest)
+            self._keep_checksum(fd, digest)
         except OSError as err:
             log.info("checksum %s of an adopted file kept in memory only: %s", digest, err)
 

@@ -171,8 +171,7 @@ def test_a_chunk_left_without_its_checksum_by_a_kill_is_checked_at_its_first_rea
     try:
         path = vllm_io.chunk_path(str(mount.path), 5)
         vllm_io.store(path, vllm_io.chunk(5, ROW), o_direct=True)
-        while os.getxattr(mount.path, "user.kvfs.unpublished") != b"0":
-            time.sleep(0.005)
+        mount.settle(sealed=False)
         backing = mount.backing / Path(path).relative_to(mount.path)
         mount.kill()
         # What the kill leaves when it comes before the seal (the sealer waits 0.1 s for the
