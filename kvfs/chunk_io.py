@@ -1,9 +1,11 @@
 """One chunk file, written and read the way vLLM's fs tier does, so a kvfs mount (or any
 directory) sees one open, one I/O and one close per chunk, and a name appears only complete.
 
-store: exists? -> mkdir -p -> O_CREAT|O_EXCL temp ``<name>_<u63>.tmp`` -> one write -> close
--> rename over the final name. No fsync: a cache may lose chunks, never serve partial ones.
-load: open -> the size must be the chunk size -> one readv into the caller's buffer.
+store: exists? -> O_CREAT|O_EXCL temp ``<name>_<u63>.tmp`` (mkdir -p only where the directory
+is missing) -> one write -> close -> rename over the final name. No fsync: a cache may lose
+chunks, never serve partial ones.
+load: open -> the size (a seek to the end) must be the chunk size -> one preadv into the
+caller's buffer.
 
 O_DIRECT needs page-aligned buffers and sizes (the host region's slots are); ``probe_o_direct``
 tells once whether a directory takes it, as vLLM probes at start.
@@ -29,11 +31,10 @@ def store(path: str, data: memoryview | bytes | mmap.mmap, o_direct: bool = Fals
     it holds the same bytes)."""
     if os.path.exists(path):
         return False
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = vllm_layout.temp_name(path)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | (O_DIRECT if o_direct else 0)
     try:
-        fd = os.open(tmp, flags, 0o644)
+        fd = _create(tmp, flags)
         try:
             written = os.write(fd, data)
         finally:
@@ -51,6 +52,16 @@ def store(path: str, data: memoryview | bytes | mmap.mmap, o_direct: bool = Fals
     return True
 
 
+def _create(tmp: str, flags: int) -> int:
+    try:
+        return os.open(tmp, flags, 0o644)
+    except FileNotFoundError:
+        # mkdir -p only for a new directory: on a FUSE mount a mkdir of one that is there
+        # still costs a LOOKUP round trip (the kernel revalidates every name it creates).
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        return os.open(tmp, flags, 0o644)
+
+
 def load_into(path: str, buffer: memoryview | mmap.mmap, o_direct: bool = False) -> None:
     """Read the chunk at ``path`` into ``buffer``, all of it, or raise.
 
@@ -59,13 +70,15 @@ def load_into(path: str, buffer: memoryview | mmap.mmap, o_direct: bool = False)
     """
     fd = os.open(path, os.O_RDONLY | (O_DIRECT if o_direct else 0))
     try:
-        size = os.fstat(fd).st_size
+        # The size by seeking, not fstat: on a FUSE mount the read before this one made the
+        # kernel's atime stale, and fstat would cost a GETATTR round trip to the daemon.
+        size = os.lseek(fd, 0, os.SEEK_END)
         if size != len(buffer):
             if size < len(buffer):
                 with contextlib.suppress(OSError):
                     os.unlink(path)
             raise ChunkError(f"{path} has {size} bytes, a chunk is {len(buffer)}")
-        got = os.readv(fd, [buffer])
+        got = os.preadv(fd, [buffer], 0)
         if got != len(buffer):
             raise ChunkError(f"short read of {path}: {got} of {len(buffer)} bytes")
     finally:

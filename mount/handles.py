@@ -56,6 +56,10 @@ class Handles:
         except KeyError:
             raise FUSEError(errno.EBADF) from None
 
+    def get_file(self, fh: int) -> Handle | None:
+        """The file handle ``fh``, if it is one."""
+        return self._files.get(fh)
+
     def close_file(self, fh: int) -> Handle:
         handle = self._files.pop(fh)
         handle.node.open_count -= 1

@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from kvfs import __version__
 from kvfs.control_protocol import Report
 from kvfs.mount.eviction import EvictionReason
+from kvfs.mount.kernel_session import NeedsIO
 from kvfs.mount.objects import PublishFailure
 
 T = TypeVar("T")
@@ -143,9 +144,14 @@ class Metrics:
         def wrapper(*args: Any, **kwargs: Any) -> T:
             start = time.perf_counter()
             try:
-                return handler(*args, **kwargs)
-            finally:
+                result = handler(*args, **kwargs)
+            except NeedsIO:
+                raise  # served in a task after all, and timed there
+            except BaseException:
                 observe(time.perf_counter() - start)
+                raise
+            observe(time.perf_counter() - start)
+            return result
 
         return wrapper
 

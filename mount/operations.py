@@ -23,14 +23,14 @@ from pyfuse3 import FUSEError
 from kvfs import process
 from kvfs.config import MountConfig
 from kvfs.control_protocol import Report
-from kvfs.index import Index
+from kvfs.index import Index, Node
 from kvfs.mount import attributes, control, sessions
 from kvfs.mount.batch_lookup import BatchLookups, Caller
 from kvfs.mount.bridge import contained
 from kvfs.mount.events import MountEvents
 from kvfs.mount.handles import Handle, Handles
 from kvfs.mount.invalidator import Invalidator
-from kvfs.mount.kernel_session import FuseSession, PassthroughFileInfo
+from kvfs.mount.kernel_session import FuseSession, NeedsIO, PassthroughFileInfo
 from kvfs.mount.listener import MountListener
 from kvfs.mount.lookups import LookupCounts
 from kvfs.mount.metrics import Metrics
@@ -77,6 +77,8 @@ class KvfsOperations(NameRequests):
         self.lookup_now = self.metrics.timed_now("lookup", self._lookup)
         self.getattr_now = self.metrics.timed_now("getattr", self._getattr)
         self.getxattr_now = self.metrics.timed_now("getxattr", self._getxattr)
+        self.open_now = self.metrics.timed_now("open", self._reopen)
+        self.release_now = self.metrics.timed_now("release", self._release_reader)
 
     def report(self, walk: bool) -> Report:
         session = sessions.report(self.session)
@@ -147,17 +149,11 @@ class KvfsOperations(NameRequests):
             await self.objects.open_write(node, bool(flags & os.O_TRUNC))
             handle = Handle(node, True, process.thread_group(ctx.pid), passthrough=True)
             return self._file_info(handle)
+        held = self._reopen_held(node)
+        if held is not None:
+            return held
         passthrough = sessions.passthrough(self.session) and self.objects.may_pass_through(node)
         handle = Handle(node, writable=False, passthrough=passthrough)
-        published = node.on_backing and node.ino not in self.objects.writes  # as it stands
-        if passthrough and published and sessions.holds_backing(self.session, node.ino):
-            # The kernel still holds this version's backing file from an earlier open: the
-            # reopen of a hot chunk costs no I/O, here or in the kernel.
-            self.objects.count_read(node)
-            if node.parent is not None:
-                self.lookups.hit(node.parent)
-            fh = self.handles.open_file(handle)
-            return PassthroughFileInfo(fh, keep_cache=True, reuse=True)
         handle.reader = await self.objects.open_read(node, passthrough)
         if handle.reader is not None and not handle.reader.unpublished and node.parent:
             self.lookups.hit(node.parent)
@@ -165,6 +161,34 @@ class KvfsOperations(NameRequests):
         # and sends READs of up to 1 MiB, each answered in full from the verified buffer. A file
         # published again in place is read past the page cache, which holds one version only.
         return self._file_info(handle, keep_cache=not node.rewritten)
+
+    def _reopen(self, inode: int, flags: int) -> pyfuse3.FileInfo:
+        """OPEN from memory, in the kernel session's receive loop: a reader's reopen of a chunk
+        whose backing file the session holds; NeedsIO for any other open."""
+        if control.is_control(inode) or flags & os.O_ACCMODE != os.O_RDONLY:
+            raise NeedsIO()
+        node = self._node(inode)
+        held = None if node.is_dir else self._reopen_held(node)
+        if held is None:
+            raise NeedsIO()
+        return held
+
+    def _reopen_held(self, node: Node) -> pyfuse3.FileInfo | None:
+        """A reader's open answered with the backing file the kernel still holds for this
+        version from an earlier open: the reopen of a hot chunk costs no I/O, here or in the
+        kernel. None where the session holds none (or may not pass the open through)."""
+        published = node.on_backing and node.ino not in self.objects.writes  # as it stands
+        if not (
+            published
+            and sessions.holds_backing(self.session, node.ino)
+            and self.objects.may_pass_through(node)
+        ):
+            return None
+        self.objects.count_read(node)
+        if node.parent is not None:
+            self.lookups.hit(node.parent)
+        fh = self.handles.open_file(Handle(node, writable=False, passthrough=True))
+        return PassthroughFileInfo(fh, keep_cache=True, reuse=True)
 
     async def read(  # type: ignore[override]  # both sessions take any buffer: no copy
         self, fh: int, off: int, size: int
@@ -223,6 +247,16 @@ class KvfsOperations(NameRequests):
             await self.objects.release_writer(node)
         self.index.release_if_unused(node)
 
+    def _release_reader(self, fh: int) -> None:
+        """RELEASE from memory, in the kernel session's receive loop: a reader's handle that
+        the daemon served nothing through; NeedsIO for any other."""
+        handle = self.handles.get_file(fh)
+        if handle is None or handle.writable or handle.content is not None:
+            raise NeedsIO()
+        self.handles.close_file(fh)
+        self._drop_reader(handle)
+        self.index.release_if_unused(handle.node)
+
     async def _close_reader(self, handle: Handle) -> None:
         if handle.content is not None:
             try:
@@ -230,6 +264,9 @@ class KvfsOperations(NameRequests):
                 content.release()
             except Exception:  # a failed load holds no buffer
                 pass
+        self._drop_reader(handle)
+
+    def _drop_reader(self, handle: Handle) -> None:
         if handle.reader is not None:
             self.objects.close_later(handle.reader.fd)
             handle.reader = None
