@@ -4,6 +4,7 @@ root on the mount; and its own failure paths."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -161,6 +162,25 @@ def test_a_load_keeps_every_chunk_that_arrived_whole(tmp_path: Path) -> None:
         assert np.array_equal(region.array[[3, 5]], region.array[[0, 2]])
         assert lookups(tier, keys) == [LookupResult.HIT, LookupResult.MISS, LookupResult.HIT]
         assert run(tier, TransferJob(3, [], [], True, "r")).success  # an empty job is reported
+    finally:
+        tier.shutdown()
+
+
+def test_a_store_makes_its_directory_where_it_finds_it_missing(tmp_path: Path) -> None:
+    """A store opens its temp file first and makes the directories only if that finds one
+    missing (on a mount, a mkdir of one that is there still costs a round trip): a directory
+    removed under the tier is made again by the next store into it."""
+    region = vllm_tier.HostRegion(2, ROW)
+    tier = kvfs_tier(tmp_path, region)
+    try:
+        fill(region, range(0, 1), seed=9)
+        keys = vllm_tier.new_keys(1)
+        assert run(tier, TransferJob(1, keys, [0], False, "r")).success
+        shutil.rmtree(os.path.dirname(tier.path(keys[0])))
+        assert run(tier, TransferJob(2, keys, [0], False, "r")).success
+        assert os.path.getsize(tier.path(keys[0])) == ROW
+        assert run(tier, TransferJob(3, keys, [1], True, "r")).success
+        assert np.array_equal(region.array[1], region.array[0])
     finally:
         tier.shutdown()
 

@@ -81,10 +81,18 @@ def test_metrics_deltas_match_a_known_workload(observed_mount: tuple[Mount, int,
     for key, path in enumerate(paths):
         vllm_io.store(path, vllm_io.chunk_bytes(key, CHUNK))
     mount.settle()  # published at the last release, which the kernel sends after close()
+    stored = scrape(port)
     for path in paths[:3]:
         vllm_io.load(path, CHUNK)
     assert not os.access(vllm_io.chunk_path(str(mount.path), 99), os.F_OK)  # never stored
-    after = scrape(port)
+    opens, releases = (
+        f'kvfs_operation_duration_seconds_count{{operation="{op}"}}' for op in ("open", "release")
+    )
+    # (a reader's RELEASE comes after its close() has returned)
+    after = scrape_until(port, lambda found: found[releases] - stored[releases] >= 3)
+    # Each counted once, whether the kernel session answered it inline or, needing I/O after
+    # all, in a task.
+    assert after[opens] - stored[opens] == 3 and after[releases] - stored[releases] == 3
 
     def delta(name: str) -> float:
         return after.get(name, 0) - before.get(name, 0)
