@@ -33,6 +33,10 @@ def test_the_conversation_benchmark_runs_and_reports(tmp_path: Path) -> None:
             "--json",
             "--plot",
             str(plot),
+            "--repeats",
+            "2",
+            "--settle",
+            "0",
         ],
         capture_output=True,
         text=True,
@@ -40,7 +44,13 @@ def test_the_conversation_benchmark_runs_and_reports(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(done.stdout)["rows"]
-    assert [r["config"] for r in rows] == ["no offload", "host + kvfs"]
+    # each configuration twice, the second time in the reverse order
+    assert [(r["config"], r["repeat"]) for r in rows] == [
+        ("no offload", 0),
+        ("host + kvfs", 0),
+        ("host + kvfs", 1),
+        ("no offload", 1),
+    ]
     for row in rows:
         assert {
             "config",

@@ -366,10 +366,18 @@ CONFIGS = ("no offload", "host only", "host + plain dir", "host + kvfs")
 
 
 @contextmanager
-def fs_root(config: str, work: Path, mount_options: list[str]) -> Iterator[Path | None]:
+def fs_root(
+    config: str, work: Path, mount_options: list[str], settle: float
+) -> Iterator[Path | None]:
     """The fs tier's directory for a configuration, emptied after the run."""
     run = work / uuid.uuid4().hex[:8]
     run.mkdir(parents=True)
+    if config in ("host + kvfs", "host + plain dir"):
+        # ext4 here allocates no inode freed in the last seconds (30 while its table block is
+        # dirty, 5 once written): a run that creates chunk files right after the last one's
+        # thousands went scans past them at every create (perf: recently_deleted).
+        os.sync()
+        time.sleep(settle)
     try:
         if config == "host + kvfs":
             with temporary_mount(run, *mount_options) as mnt:
@@ -391,7 +399,7 @@ def run_one(
     # Room for the conversations, and for the blocks new chunks pin until they are stored.
     pinned = args.device_conversations * (workload.per_turn // workload.tokens_per_block + 1)
     device_blocks = args.device_conversations * per_conversation + pinned
-    with fs_root(config, args.workdir, args.mount_options.split()) as root:
+    with fs_root(config, args.workdir, args.mount_options.split(), args.settle) as root:
         extra: dict[str, Any] | None = None
         if config != "no offload":
             extra = {"cpu_bytes_to_use": args.host_conversations * per_conversation * chunk}
@@ -423,10 +431,9 @@ def plot(rows: list[dict[str, Any]], args: argparse.Namespace, profile: CostProf
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
+    tokens = median_tokens(rows)
     for config in CONFIGS:
-        points = sorted(
-            (r["conversations"], r["tokens_per_s"]) for r in rows if r["config"] == config
-        )
+        points = sorted((pool, t) for (c, pool), t in tokens.items() if c == config)
         if points:
             ax.plot(*zip(*points, strict=True), marker="o", label=config)
     for knee, label in (
@@ -444,9 +451,17 @@ def plot(rows: list[dict[str, Any]], args: argparse.Namespace, profile: CostProf
     fig.savefig(args.plot, dpi=120)
 
 
+def median_tokens(rows: list[dict[str, Any]]) -> dict[tuple[str, int], float]:
+    """Tokens/s per configuration and pool: the median of its runs (``--repeats``)."""
+    runs: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        runs.setdefault((r["config"], r["conversations"]), []).append(r["tokens_per_s"])
+    return {key: statistics.median(values) for key, values in runs.items()}
+
+
 def summary(rows: list[dict[str, Any]], knee: int) -> dict[str, Any]:
     """Past the host knee: host + kvfs vs host only and vs host + plain directory."""
-    by = {(r["config"], r["conversations"]): r["tokens_per_s"] for r in rows}
+    by = median_tokens(rows)
     past = sorted({r["conversations"] for r in rows if r["conversations"] > knee})
     ratios = {
         pool: {
@@ -482,6 +497,20 @@ def main() -> int:
         help="options of the kvfs mount (default: %(default)s, so that --session auto takes "
         "kvfs's own session with passthrough where it may)",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each configuration per pool, in the given order and then reversed, and "
+        "so on; the summary and the plot take the median (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=6.0,
+        help="seconds to wait after a sync before a configuration with an fs tier, so that "
+        "the files deleted before it do not slow its creates (default: %(default)s)",
+    )
     parser.add_argument("--plot", default="docs/bench_conversations.png", help="PNG ('' for none)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--replot", type=Path, help="summarise and plot a --json output again")
@@ -491,11 +520,13 @@ def main() -> int:
     torch.set_num_threads(1)
     rows = json.loads(args.replot.read_text())["rows"] if args.replot else []
     for pool in [] if args.replot else args.pools:
-        for config in args.configs:
-            result = run_one(config, pool, args, profile, workload).row()
-            rows.append(result)
-            if not args.json:
-                print(_line(result), flush=True)
+        for repeat in range(args.repeats):
+            # Forward, then reversed: what runs second on a busy machine runs slower.
+            for config in args.configs[:: -1 if repeat % 2 else 1]:
+                result = run_one(config, pool, args, profile, workload).row()
+                rows.append({**result, "repeat": repeat})
+                if not args.json:
+                    print(_line(result), flush=True)
     knee = args.host_conversations
     ratios = summary(rows, knee)
     if args.plot:
