@@ -463,17 +463,17 @@ def summary(rows: list[dict[str, Any]], knee: int) -> dict[str, Any]:
     """Past the host knee: host + kvfs vs host only and vs host + plain directory."""
     by = median_tokens(rows)
     past = sorted({r["conversations"] for r in rows if r["conversations"] > knee})
+    against = {"kvfs_vs_host_only": "host only", "kvfs_vs_plain_dir": "host + plain dir"}
     ratios = {
         pool: {
-            "kvfs_vs_host_only": round(by[("host + kvfs", pool)] / by[("host only", pool)], 2),
-            "kvfs_vs_plain_dir": round(
-                by[("host + kvfs", pool)] / by[("host + plain dir", pool)], 2
-            ),
+            name: round(by[("host + kvfs", pool)] / by[(config, pool)], 3)
+            for name, config in against.items()
+            if (config, pool) in by
         }
         for pool in past
-        if all((c, pool) in by for c in CONFIGS[1:])
+        if ("host + kvfs", pool) in by
     }
-    return ratios
+    return {pool: found for pool, found in ratios.items() if found}
 
 
 def main() -> int:
