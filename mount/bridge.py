@@ -42,6 +42,11 @@ def contained(name: str, handler: Callable[..., Awaitable[T]]) -> Callable[..., 
     return wrapper
 
 
+class NeedsIO(Exception):
+    """Raised by a request answered inline, in the kernel session's receive loop (``lookup_now``,
+    ``create_now``...), that cannot be answered without waiting: it is served in a task."""
+
+
 class Future(Generic[T]):
     """A result that several tasks may await; set once, from the event loop."""
 
@@ -112,6 +117,27 @@ class Detached:
 
         self._nursery.start_soon(run)
         return future
+
+
+class Lock:
+    """A trio.Lock whose acquire passes through the scheduler only when it must wait: trio
+    makes every acquire a schedule point, which cost each request a trip round the event
+    loop for a lock it almost always finds free. Waiters still take it in turn."""
+
+    def __init__(self) -> None:
+        self._lock = trio.Lock()
+
+    async def __aenter__(self) -> None:
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
 
 
 class ByteBudget:

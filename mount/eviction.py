@@ -22,6 +22,7 @@ import trio
 
 from kvfs.buffers import on_disk
 from kvfs.index import Index, Node
+from kvfs.mount.bridge import NeedsIO
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +89,22 @@ class Evictor:
             await self.shared.admit(need)
             self.reserved += need
             return need
-        while self.used + self.reserved + need > self.capacity:
+        while not self._fits(need):
             if not await self._evict_one(EvictionReason.CAPACITY):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self.reserved += need
         return need
+
+    def reserve_now(self, size: int) -> int:
+        """``reserve`` where there is room already (NeedsIO where it would evict or wait)."""
+        need = on_disk(size)
+        if self.shared is not None or not self._fits(need):
+            raise NeedsIO()
+        self.reserved += need
+        return need
+
+    def _fits(self, need: int) -> bool:
+        return self.used + self.reserved + need <= self.capacity
 
     def release(self, held: int) -> None:
         self.reserved -= held

@@ -79,6 +79,7 @@ import pyfuse3
 import trio
 
 from kvfs.mount import fuse_abi as abi
+from kvfs.mount.bridge import NeedsIO
 from kvfs.mount.fuse_abi import InitFlag, NotifyCode, Opcode, OpenFlag, SetattrValid
 
 log = logging.getLogger(__name__)
@@ -127,10 +128,6 @@ _ON_OPEN_HANDLES = _NO_REPLY | {
 
 
 # -- what the operations receive --------------------------------------------------------------
-
-
-class NeedsIO(Exception):
-    """Raised by an inline handler (``lookup_now``...) that cannot answer from memory."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -562,6 +559,7 @@ class KernelSession:
         self._token: trio.lowlevel.TrioToken | None = None
         self._loop_thread: int | None = None
         self._reader: trio.CancelScope | None = None
+        self._tasks: trio.Nursery | None = None  # where main() serves requests in tasks
         # The backing files registered for each inode's open handles, by file; the handles.
         self._inode_backing: dict[int, dict[tuple[int, int], _Backing]] = {}
         self._handle_backing: dict[tuple[int, int], list[_Backing]] = {}
@@ -642,7 +640,19 @@ class KernelSession:
         # chunks whose backing file the session holds), are called in the receive loop: no
         # task per request, a third to a half less latency and CPU. Where one needs I/O after
         # all it raises NeedsIO, and the request is served in a task.
-        inline = ("lookup", "getattr", "getxattr", "forget", "open", "release")
+        # ``create_now``, ``flush_now`` and ``rename_now`` answer the common steps of a store
+        # (a new passthrough file, its close, its rename to the final name) the same way.
+        inline = [
+            "lookup",
+            "getattr",
+            "getxattr",
+            "forget",
+            "open",
+            "release",
+            "create",
+            "flush",
+            "rename",
+        ]
         if all(hasattr(ops, f"{op}_now") for op in inline):
             self._inline = {
                 Opcode.LOOKUP: self._lookup_now,
@@ -650,6 +660,10 @@ class KernelSession:
                 Opcode.GETXATTR: self._getxattr_now,
                 Opcode.OPEN: self._open_now,
                 Opcode.RELEASE: self._release_now,
+                Opcode.CREATE: self._create_now,
+                Opcode.FLUSH: self._flush_now,
+                Opcode.RENAME: self._rename_now,
+                Opcode.RENAME2: self._rename_now,
             }
         self._stopping = False
         devices = _mount_devices(path)
@@ -685,6 +699,7 @@ class KernelSession:
         view = memoryview(buf)
         try:
             async with trio.open_nursery() as nursery:
+                self._tasks = nursery
                 with reader:
                     unyielded = 0  # requests read since the loop last let other tasks run
                     while True:
@@ -725,6 +740,7 @@ class KernelSession:
         finally:
             with self._lock:
                 self._token = self._loop_thread = self._reader = None
+            self._tasks = None
 
     def terminate(self) -> None:
         """Make ``main()`` stop reading requests and return once those in hand are answered
@@ -1295,14 +1311,24 @@ class KernelSession:
         self._reply(req, [])
 
     async def _rename(self, req: _Request) -> None:
+        old, newdir, new, flags = self._rename_in(req)
+        await self._ops.rename(req.nodeid, old, newdir, new, flags, self._ctx(req))
+        self._reply(req, [])
+
+    def _rename_now(self, req: _Request) -> None:
+        old, newdir, new, flags = self._rename_in(req)
+        self._ops.rename_now(req.nodeid, old, newdir, new, flags)
+        self._reply(req, [])
+
+    @staticmethod
+    def _rename_in(req: _Request) -> tuple[bytes, int, bytes, int]:
         if req.opcode == Opcode.RENAME2:
             newdir, flags, _ = abi.RENAME2_IN.unpack_from(req.body)
             old, new = _two_names(req.body, abi.RENAME2_IN.size)
         else:
             (newdir,), flags = abi.RENAME_IN.unpack_from(req.body), 0
             old, new = _two_names(req.body, abi.RENAME_IN.size)
-        await self._ops.rename(req.nodeid, old, newdir, new, flags, self._ctx(req))
-        self._reply(req, [])
+        return old, newdir, new, flags
 
     async def _link(self, req: _Request) -> None:
         (inode,) = abi.LINK_IN.unpack_from(req.body)
@@ -1323,6 +1349,14 @@ class KernelSession:
         fi, entry = await self._ops.create(req.nodeid, name, mode, flags, ctx)
         await self._reply_open(req, entry.st_ino, fi, entry)
 
+    def _create_now(self, req: _Request) -> None:
+        flags, mode, umask, _ = abi.CREATE_IN.unpack_from(req.body)
+        name = _name(req.body, abi.CREATE_IN.size)
+        fi, entry = self._ops.create_now(req.nodeid, name, mode, flags, self._ctx(req, umask))
+        if not self._reply(req, self._open_out(entry.st_ino, fi, entry, read_only=False)):
+            assert self._tasks is not None  # (inline requests are answered in main() only)
+            self._tasks.start_soon(self._opener_gone, entry.st_ino, fi, entry)
+
     def _open_now(self, req: _Request) -> None:
         flags, _ = abi.OPEN_IN.unpack_from(req.body)
         fi = self._ops.open_now(req.nodeid, flags)  # a reader's: NeedsIO for any other
@@ -1341,10 +1375,14 @@ class KernelSession:
         entry: pyfuse3.EntryAttributes | None,
         read_only: bool = False,
     ) -> None:
-        if self._reply(req, self._open_out(ino, fi, entry, read_only)):
-            return
-        # The opener is gone: the kernel will send no RELEASE for this handle, nor FORGET for
-        # the entry it never received; undo both here, as the kernel would have.
+        if not self._reply(req, self._open_out(ino, fi, entry, read_only)):
+            await self._opener_gone(ino, fi, entry)
+
+    async def _opener_gone(
+        self, ino: int, fi: pyfuse3.FileInfo, entry: pyfuse3.EntryAttributes | None
+    ) -> None:
+        """The kernel will send no RELEASE for a handle whose open reply reached nobody, nor
+        FORGET for the entry it never received: both are undone here, as the kernel would."""
         try:
             await self._ops.release(fi.fh)
         except Exception:
@@ -1396,6 +1434,11 @@ class KernelSession:
     async def _flush(self, req: _Request) -> None:
         (fh, *_) = abi.FLUSH_IN.unpack_from(req.body)
         await self._ops.flush(fh)
+        self._reply(req, [])
+
+    def _flush_now(self, req: _Request) -> None:
+        (fh, *_) = abi.FLUSH_IN.unpack_from(req.body)
+        self._ops.flush_now(fh)
         self._reply(req, [])
 
     async def _release(self, req: _Request) -> None:

@@ -28,8 +28,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvfs import __version__
 from kvfs.control_protocol import Report
+from kvfs.mount.bridge import NeedsIO
 from kvfs.mount.eviction import EvictionReason
-from kvfs.mount.kernel_session import NeedsIO
 from kvfs.mount.objects import PublishFailure
 
 T = TypeVar("T")

@@ -20,8 +20,9 @@ from kvfs import layout
 from kvfs.config import MountConfig
 from kvfs.index import ROOT_INO, Index, Node
 from kvfs.mount import attributes, control
+from kvfs.mount.bridge import NeedsIO
 from kvfs.mount.handles import Handles
-from kvfs.mount.kernel_session import FuseSession, NeedsIO
+from kvfs.mount.kernel_session import FuseSession
 from kvfs.mount.lookups import LookupCounts
 from kvfs.mount.objects import Objects
 from kvfs.mount.shared import MISS_TIMEOUT
@@ -161,13 +162,37 @@ class NameRequests(pyfuse3.Operations):
         flags: int,
         ctx: pyfuse3.RequestContext,
     ) -> None:
+        old_parent, new_parent, noreplace = self._rename_args(
+            parent_inode_old, parent_inode_new, name_new, flags
+        )
+        await self.objects.rename(old_parent, name_old, new_parent, name_new, noreplace)
+        self.lookups.made(new_parent, name_new)
+
+    def _rename_now(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+    ) -> None:
+        """RENAME from memory, in the kernel session's receive loop: a file not published yet
+        to a free name; NeedsIO for any other (``Objects.rename_now``)."""
+        old_parent, new_parent, noreplace = self._rename_args(
+            parent_inode_old, parent_inode_new, name_new, flags
+        )
+        self.objects.rename_now(old_parent, name_old, new_parent, name_new, noreplace)
+        self.lookups.made(new_parent, name_new)
+
+    def _rename_args(
+        self, parent_inode_old: int, parent_inode_new: int, name_new: bytes, flags: int
+    ) -> tuple[Node, Node, bool]:
+        """A rename's directories, checked, and whether it may replace what it finds."""
         if flags & pyfuse3.RENAME_EXCHANGE:
             raise FUSEError(errno.EINVAL)
         old_parent = self._dir(parent_inode_old)
         new_parent = self._new_dir(parent_inode_new, name_new)
-        noreplace = bool(flags & pyfuse3.RENAME_NOREPLACE)
-        await self.objects.rename(old_parent, name_old, new_parent, name_new, noreplace)
-        self.lookups.made(new_parent, name_new)
+        return old_parent, new_parent, bool(flags & pyfuse3.RENAME_NOREPLACE)
 
     async def link(
         self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext

@@ -45,7 +45,7 @@ from kvfs.config import MountConfig
 from kvfs.index import Index, Node
 from kvfs.io_queues import DualQueuePool, Queue
 from kvfs.mount import shared
-from kvfs.mount.bridge import IO, ByteBudget, Detached, Future
+from kvfs.mount.bridge import IO, ByteBudget, Detached, Future, Lock, NeedsIO
 from kvfs.mount.eviction import EvictionReason, Evictor
 from kvfs.mount.sealer import Sealer
 from kvfs.mount.share import Share
@@ -188,7 +188,7 @@ class WriteState:
     file: TmpFile | None = None
     dirty: bool = False  # differs from the published version
     writers: int = 0
-    lock: trio.Lock = field(default_factory=trio.Lock)
+    lock: Lock = field(default_factory=Lock)
     generation: int = 0  # bumped by every change of the buffer
     prepared: Prepared | None = None
     failed: int | None = None  # errno of a failed write or close: it is never published
@@ -250,14 +250,14 @@ class Objects:
             self.share = Share(self, cfg.lease_ttl)
             self.evictor.shared = self.share
         # Created in start(), once trio is running.
-        self._ns: trio.Lock
+        self._ns: Lock
         self.io: IO
         self._detached: Detached
 
     def start(self, nursery: trio.Nursery) -> None:
         """Begin serving in ``nursery`` (the eviction sweep, the recency writer and detached
         operations run there)."""
-        self._ns = trio.Lock()  # held across a namespace change: index and backing together
+        self._ns = Lock()  # held across a namespace change: index and backing together
         self.io = IO(self.pool)
         self._detached = Detached(nursery)
         if self.share is None:
@@ -320,11 +320,17 @@ class Objects:
             self.io.submit(Queue.WRITE, self.store.discard, rel)
 
     async def _new_tmp(self, mode: int) -> TmpFile:
+        if self._spare_tmps:
+            return self._spare_tmp()
+        self._spare_wanted.set()
+        return TmpFile(*await self.io.read(self.store.open_tmp, mode))
+
+    def _spare_tmp(self) -> TmpFile:
+        """A spare temp file (its mode is set at the publish, with the rest); more are opened
+        once half are taken."""
         if len(self._spare_tmps) <= SPARE_TMPS // 2:
             self._spare_wanted.set()
-        if self._spare_tmps:  # its mode is set at the publish, with the rest
-            return self._spare_tmps.pop()
-        return TmpFile(*await self.io.read(self.store.open_tmp, mode))
+        return self._spare_tmps.pop()
 
     def _recency(self) -> list[tuple[bytes, int, int]]:
         dirty, self._recency_dirty = self._recency_dirty, {}
@@ -469,21 +475,9 @@ class Objects:
     ) -> None:
         async def op() -> None:
             async with self._ns:
-                node = self._child(old_parent, old_name)
-                target = self.index.child(new_parent, new_name)
+                node, target = self._renaming(old_parent, old_name, new_parent, new_name, noreplace)
                 if target is node:  # two names of one file: POSIX says do nothing
                     return
-                if target is not None:
-                    if noreplace:
-                        raise fail(errno.EEXIST)
-                    if node.is_dir and not target.is_dir:
-                        raise fail(errno.ENOTDIR)
-                    if target.is_dir and not node.is_dir:
-                        raise fail(errno.EISDIR)
-                    if target.children:
-                        raise fail(errno.ENOTEMPTY)
-                if node.is_dir and Index.is_ancestor(node, new_parent):
-                    raise fail(errno.EINVAL)
                 old_rel = os.path.join(self._attached(old_parent), old_name)
                 new_rel = os.path.join(self._attached(new_parent), new_name)
                 moving = self._published_below(node) if self.share is not None else []
@@ -522,6 +516,40 @@ class Objects:
                     self.listener.stored(node)
 
         await self.bounded(op)
+
+    def rename_now(
+        self, old_parent: Node, old_name: bytes, new_parent: Node, new_name: bytes, noreplace: bool
+    ) -> None:
+        """``rename`` from memory of a file not published yet to a free name (an engine renames
+        its temp file as it closes it): only the index changes, and the publish places the
+        file under its new name. NeedsIO for any other."""
+        if self._ns.locked() or self.share is not None:
+            raise NeedsIO()
+        node, target = self._renaming(old_parent, old_name, new_parent, new_name, noreplace)
+        if target is not None or node.is_dir or node.on_backing:
+            raise NeedsIO()
+        if not (old_parent.attached and new_parent.attached):
+            raise fail(errno.ENOENT)
+        self.index.move(old_parent, old_name, new_parent, new_name)
+
+    def _renaming(
+        self, old_parent: Node, old_name: bytes, new_parent: Node, new_name: bytes, noreplace: bool
+    ) -> tuple[Node, Node | None]:
+        """The node a rename moves and the one it replaces, if the rename may be made."""
+        node = self._child(old_parent, old_name)
+        target = self.index.child(new_parent, new_name)
+        if target is not None and target is not node:
+            if noreplace:
+                raise fail(errno.EEXIST)
+            if node.is_dir and not target.is_dir:
+                raise fail(errno.ENOTDIR)
+            if target.is_dir and not node.is_dir:
+                raise fail(errno.EISDIR)
+            if target.children:
+                raise fail(errno.ENOTEMPTY)
+        if node.is_dir and Index.is_ancestor(node, new_parent):
+            raise fail(errno.EINVAL)
+        return node, target
 
     def _published_below(self, node: Node) -> list[tuple[bytes, Node]]:
         """The published files a rename of ``node`` moves, with their paths before it."""
@@ -659,26 +687,61 @@ class Objects:
             # Under the lock: mkdir/rename/rmdir check a name, await the disk, then change the
             # index, and a create must not slip in between.
             async with self._ns:
-                existing = self.index.child(parent, name)
+                existing = self._existing(parent, name, exclusive)
                 if existing is not None:
-                    if exclusive:
-                        raise fail(errno.EEXIST)
                     return existing, False
-                if not parent.attached:
-                    raise fail(errno.ENOENT)
-                ws = WriteState(ChunkBuffer(self.extents), writers=1, direct=direct)
-                if passthrough:
-                    ws.file = await self._new_tmp(mode)
-                node = self.index.new_node(name, stat.S_IFREG | mode, *owner)
-                node.atime_ns = node.mtime_ns = node.ctime_ns = time.time_ns()
-                self.index.attach(parent, name, node)
-                self.writes[node.ino] = ws
-                ws.changed()
-                return node, True
+                file = await self._new_tmp(mode) if passthrough else None
+                return self._new_file(parent, name, mode, owner, direct, file), True
 
         return await self.bounded(
             op, undo=lambda result: self.drop_writer(result[0]) if result[1] else None
         )
+
+    def create_now(
+        self,
+        parent: Node,
+        name: bytes,
+        mode: int,
+        owner: tuple[int, int],
+        exclusive: bool,
+        direct: bool,
+    ) -> Node:
+        """``create`` of a new passthrough file, from memory: from a spare temp file, with the
+        namespace free. NeedsIO where it would wait, or the name exists and may be opened."""
+        if self._ns.locked() or not self._spare_tmps:
+            raise NeedsIO()
+        if self._existing(parent, name, exclusive) is not None:
+            raise NeedsIO()
+        return self._new_file(parent, name, mode, owner, direct, self._spare_tmp())
+
+    def _existing(self, parent: Node, name: bytes, exclusive: bool) -> Node | None:
+        """What a create finds under the name (EEXIST for an exclusive one); ENOENT when the
+        directory went."""
+        existing = self.index.child(parent, name)
+        if existing is not None and exclusive:
+            raise fail(errno.EEXIST)
+        if existing is None and not parent.attached:
+            raise fail(errno.ENOENT)
+        return existing
+
+    def _new_file(
+        self,
+        parent: Node,
+        name: bytes,
+        mode: int,
+        owner: tuple[int, int],
+        direct: bool,
+        file: TmpFile | None,
+    ) -> Node:
+        """A new empty file under the name, open for writing (one writer), into ``file`` when
+        the kernel writes it in passthrough."""
+        ws = WriteState(ChunkBuffer(self.extents), file=file, writers=1, direct=direct)
+        node = self.index.new_node(name, stat.S_IFREG | mode, *owner)
+        node.atime_ns = node.mtime_ns = node.ctime_ns = time.time_ns()
+        self.index.attach(parent, name, node)
+        self.writes[node.ino] = ws
+        ws.changed()
+        return node
 
     async def open_write(self, node: Node, truncate: bool) -> None:
         """One more writer; the file's bytes are loaded first (verified) unless truncated. A
@@ -771,17 +834,43 @@ class Objects:
         """A writer's close() (FLUSH): write the bytes to a temp file now, so that errors reach
         it; the last release publishes them. The close the kernel makes for a writer it is
         tearing down after a kill publishes nothing."""
+        ws = self._closing(node, opener)
+        if ws is not None:
+            await self._prepare_or_fail(node, ws, durable=False)
+
+    def close_write_now(self, node: Node, opener: int) -> None:
+        """``close_write`` from memory: a passthrough file's close only reserves its room (its
+        seal waits for the last release). NeedsIO where that would wait, or a buffer is to be
+        written."""
         ws = self.writes.get(node.ino)
+        if ws is not None and ws.dirty and (ws.file is None or ws.lock.locked()):
+            raise NeedsIO()
+        ws = self._closing(node, opener)
         if ws is None:
             return
+        current, version = ws.prepared, self._version(ws)
+        if current is not None and current.version == version:
+            return
+        held = self.evictor.reserve_now(version[0])
+        if current is not None:
+            ws.prepared = None
+            self._discard(ws, current)
+        node.mtime_ns = version[1]
+        ws.prepared = Prepared(None, version, self._file_attrs(node), held, durable=False)
+
+    def _closing(self, node: Node, opener: int) -> WriteState | None:
+        """The file a writer's close is to prepare for its publish; None if none is (nothing
+        written, or the close of a writer killed with it open)."""
+        ws = self.writes.get(node.ino)
+        if ws is None:
+            return None
         if ws.failed is not None:
             raise fail(ws.failed)
         if process.killed_by_signal(opener):
             ws.abandoned = True
             log.warning("%s: its writer was killed with it open: not published", self._name(node))
-            return
-        if ws.dirty:
-            await self._prepare_or_fail(node, ws, durable=False)
+            return None
+        return ws if ws.dirty else None
 
     async def fsync(self, node: Node, writer: bool) -> None:
         ws = self.writes.get(node.ino)

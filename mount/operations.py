@@ -26,11 +26,11 @@ from kvfs.control_protocol import Report
 from kvfs.index import Index, Node
 from kvfs.mount import attributes, control, sessions
 from kvfs.mount.batch_lookup import BatchLookups, Caller
-from kvfs.mount.bridge import contained
+from kvfs.mount.bridge import NeedsIO, contained
 from kvfs.mount.events import MountEvents
 from kvfs.mount.handles import Handle, Handles
 from kvfs.mount.invalidator import Invalidator
-from kvfs.mount.kernel_session import FuseSession, NeedsIO, PassthroughFileInfo
+from kvfs.mount.kernel_session import FuseSession, PassthroughFileInfo
 from kvfs.mount.listener import MountListener
 from kvfs.mount.lookups import LookupCounts
 from kvfs.mount.metrics import Metrics
@@ -79,6 +79,9 @@ class KvfsOperations(NameRequests):
         self.getxattr_now = self.metrics.timed_now("getxattr", self._getxattr)
         self.open_now = self.metrics.timed_now("open", self._reopen)
         self.release_now = self.metrics.timed_now("release", self._release_reader)
+        self.create_now = self.metrics.timed_now("create", self._create_now)
+        self.flush_now = self.metrics.timed_now("flush", self._flush_now)
+        self.rename_now = self.metrics.timed_now("rename", self._rename_now)
 
     def report(self, walk: bool) -> Report:
         session = sessions.report(self.session)
@@ -128,6 +131,25 @@ class KvfsOperations(NameRequests):
         )
         if not created:
             return await self.open(node.ino, flags, ctx), self._entry(node)
+        return self._created(parent, name, node, ctx, passthrough)
+
+    def _create_now(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        """CREATE from memory, in the kernel session's receive loop: a new file the kernel
+        writes in passthrough (``Objects.create_now``); NeedsIO for any other."""
+        if not sessions.passthrough(self.session):
+            raise NeedsIO()
+        parent = self._new_dir(parent_inode, name)
+        owner = self._owner(parent, ctx)
+        exclusive, direct = bool(flags & os.O_EXCL), bool(flags & os.O_DIRECT)
+        node = self.objects.create_now(parent, name, self._masked(mode), owner, exclusive, direct)
+        return self._created(parent, name, node, ctx, passthrough=True)
+
+    def _created(
+        self, parent: Node, name: bytes, node: Node, ctx: pyfuse3.RequestContext, passthrough: bool
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        """The reply to a create that made the file: its writer's handle and its entry."""
         self.lookups.made(parent, name)
         handle = Handle(node, True, process.thread_group(ctx.pid), passthrough=passthrough)
         return self._file_info(handle), self._entry(node)
@@ -223,11 +245,23 @@ class KvfsOperations(NameRequests):
 
     async def flush(self, fh: int) -> None:
         """close(): where a written file's errors (ENOSPC, EIO) can still reach the writer."""
-        if self.handles.control(fh) is not None or fh in self.batch_lookups.handles:
-            return
-        handle = self.handles.file(fh)
-        if handle.writable:
+        handle = self._writer(fh)
+        if handle is not None:
             await self.objects.close_write(handle.node, handle.opener)
+
+    def _flush_now(self, fh: int) -> None:
+        """FLUSH from memory, in the kernel session's receive loop (``Objects.close_write_now``):
+        NeedsIO where it would wait."""
+        handle = self._writer(fh)
+        if handle is not None:
+            self.objects.close_write_now(handle.node, handle.opener)
+
+    def _writer(self, fh: int) -> Handle | None:
+        """A file's handle open for writing; None for any other handle."""
+        if self.handles.control(fh) is not None or fh in self.batch_lookups.handles:
+            return None
+        handle = self.handles.file(fh)
+        return handle if handle.writable else None
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self.handles.file(fh)

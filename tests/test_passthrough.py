@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvfs import checksum
+from kvfs.mount.objects import SPARE_TMPS
 from tests import vllm_tier
 from tests.conftest import Mount, make_mount, small_filesystem
 from tests.test_integrity import flip_byte
@@ -306,3 +307,43 @@ def test_the_first_read_of_a_stored_chunk_reuses_its_writers_backing_file(
     assert vllm_io.load(final, 1 << 20) == vllm_io.chunk_bytes(7, 1 << 20)
     usage = json.loads((passthrough_mount.path / ".kvfs" / "usage.json").read_bytes())
     assert usage["session"]["backing_reused"] == 1
+
+
+def test_more_files_open_at_once_than_spare_temp_files_are_each_published_whole(
+    passthrough_mount: Mount,
+) -> None:
+    """A create takes a spare temp file in the receive loop; with none left it opens one on
+    the I/O pool: both kinds publish whole, and no temp file stays behind."""
+    paths = [passthrough_mount.path / f"f{i}" for i in range(3 * SPARE_TMPS)]
+    files = [open(path, "wb") for path in paths]  # noqa: SIM115  # all open at once
+    try:
+        for i, f in enumerate(files):
+            f.write(vllm_io.chunk_bytes(i, 64 << 10))
+    finally:
+        for f in files:
+            f.close()
+    for i, path in enumerate(paths):
+        assert passthrough_mount.on_backing(path).read_bytes() == vllm_io.chunk_bytes(i, 64 << 10)
+    assert not os.listdir(passthrough_mount.backing / ".kvfs" / "tmp")
+
+
+def test_a_file_renamed_by_its_writer_before_its_close_is_published_under_the_new_name(
+    passthrough_mount: Mount,
+) -> None:
+    """Renamed while open (only the index changes, in the receive loop), then written on: the
+    publish places the whole file under its last name; a rename of the next one over it
+    (the old bytes must go: served in a task) leaves the new bytes there."""
+    first, second = os.urandom(2 << 20), os.urandom(1 << 20)
+    tmp, final = passthrough_mount.path / "k.tmp", passthrough_mount.path / "k"
+    with open(tmp, "wb") as f:
+        f.write(first[: 1 << 20])
+        os.rename(tmp, final)
+        f.write(first[1 << 20 :])
+    assert passthrough_mount.on_backing(final).read_bytes() == first
+    assert not tmp.exists() and not passthrough_mount.on_backing(tmp).exists()
+    tmp.write_bytes(second)
+    os.rename(tmp, final)
+    assert passthrough_mount.on_backing(final).read_bytes() == second == final.read_bytes()
+    assert sorted(os.listdir(passthrough_mount.backing)) == [".kvfs", "k"]
+    with pytest.raises(FileExistsError):
+        os.open(final, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
