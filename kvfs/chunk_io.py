@@ -58,8 +58,25 @@ def _create(tmp: str, flags: int) -> int:
     except FileNotFoundError:
         # mkdir -p only for a new directory: on a FUSE mount a mkdir of one that is there
         # still costs a LOOKUP round trip (the kernel revalidates every name it creates).
-        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        _make_dirs(os.path.dirname(tmp))
         return os.open(tmp, flags, 0o644)
+
+
+def _make_dirs(directory: str) -> None:
+    """mkdir -p that asks only mkdir, from the deepest directory up to the first that is there.
+    os.makedirs stats each parent first: on a FUSE mount that is a GETATTR round trip each
+    time, since the kernel drops a directory's attributes at every name made in it."""
+    try:
+        os.mkdir(directory)
+    except FileExistsError:  # made meanwhile (or not a directory: the open after says so)
+        pass
+    except FileNotFoundError:
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            raise
+        _make_dirs(parent)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory)
 
 
 def load_into(path: str, buffer: memoryview | mmap.mmap, o_direct: bool = False) -> None:

@@ -168,15 +168,15 @@ def test_a_load_keeps_every_chunk_that_arrived_whole(tmp_path: Path) -> None:
 
 def test_a_store_makes_its_directory_where_it_finds_it_missing(tmp_path: Path) -> None:
     """A store opens its temp file first and makes the directories only if that finds one
-    missing (on a mount, a mkdir of one that is there still costs a round trip): a directory
-    removed under the tier is made again by the next store into it."""
+    missing (on a mount, a mkdir of one that is there still costs a round trip): directories
+    removed under the tier are made again by the next store into them."""
     region = vllm_tier.HostRegion(2, ROW)
     tier = kvfs_tier(tmp_path, region)
     try:
         fill(region, range(0, 1), seed=9)
         keys = vllm_tier.new_keys(1)
         assert run(tier, TransferJob(1, keys, [0], False, "r")).success
-        shutil.rmtree(os.path.dirname(tier.path(keys[0])))
+        shutil.rmtree(os.path.dirname(os.path.dirname(tier.path(keys[0]))))  # two levels
         assert run(tier, TransferJob(2, keys, [0], False, "r")).success
         assert os.path.getsize(tier.path(keys[0])) == ROW
         assert run(tier, TransferJob(3, keys, [1], True, "r")).success
