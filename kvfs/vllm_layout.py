@@ -46,6 +46,11 @@ def chunk_relpath(block_hash_hex: str, group: int) -> str:
     return f"{h[:3]}/{h[3:5]}_g{group}/{h}.bin"
 
 
+def is_chunk(name: bytes) -> bool:
+    """A chunk file's name (``block_of`` without decoding it: every first-time miss asks)."""
+    return _CHUNK.match(name) is not None
+
+
 def block_of(name: bytes, parent_name: bytes) -> tuple[bytes, int | None] | None:
     """The block hash and KV-cache group of a chunk file name; None for any other file."""
     match = _CHUNK.match(name)

@@ -8,7 +8,7 @@ from collections import Counter, OrderedDict, defaultdict
 
 from kvfs import namespaces
 from kvfs.index import ROOT_INO, Node
-from kvfs.vllm_layout import block_of
+from kvfs.vllm_layout import is_chunk
 
 # Missed names remembered, so that a store which then makes one takes its miss back.
 RECENT_MISSES = 65536
@@ -26,8 +26,11 @@ class LookupCounts:
             self.by_namespace[top.ino]["hit"] += 1
 
     def miss(self, parent: Node, name: bytes) -> None:
+        # (on every first-time miss, in the receive loop: the cheapest test first)
+        if not is_chunk(name):
+            return
         top = _namespace(parent)
-        if top is None or block_of(name, parent.name) is None:
+        if top is None:
             return
         self.by_namespace[top.ino]["miss"] += 1
         key = (parent.ino, name)
