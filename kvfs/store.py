@@ -19,6 +19,7 @@ import logging
 import mmap
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvfs import checksum, layout, namespaces, vllm_layout
@@ -534,7 +535,9 @@ class BackingStore:
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:
-            if not os.path.isdir(path):  # a directory there is our own, left by a crash
+            # A directory there is our own: left by a crash, or by a publish that failed
+            # after it made the directories above it.
+            if not os.path.isdir(path):
                 raise
         os.chmod(path, mode & 0o7777)  # exactly the mode asked, not less the daemon's umask
         return self._own(path, uid, gid)
@@ -578,6 +581,18 @@ class BackingStore:
 
     def rename(self, old: bytes, new: bytes) -> None:
         os.rename(self.abs(old), self.abs(new))
+
+    def make_dirs(self, dirs: Sequence[tuple[bytes, int, int, int]]) -> None:
+        """``mkdir`` each (path, mode, uid, gid), parents first."""
+        for rel, mode, uid, gid in dirs:
+            self.mkdir(rel, mode, uid, gid)
+
+    def rename_into(
+        self, old: bytes, new: bytes, dirs: Sequence[tuple[bytes, int, int, int]]
+    ) -> None:
+        """``rename`` into a directory that ``make_dirs(dirs)`` makes first."""
+        self.make_dirs(dirs)
+        self.rename(old, new)
 
     def set_attrs(
         self,

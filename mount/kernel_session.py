@@ -640,8 +640,9 @@ class KernelSession:
         # chunks whose backing file the session holds), are called in the receive loop: no
         # task per request, a third to a half less latency and CPU. Where one needs I/O after
         # all it raises NeedsIO, and the request is served in a task.
-        # ``create_now``, ``flush_now`` and ``rename_now`` answer the common steps of a store
-        # (a new passthrough file, its close, its rename to the final name) the same way.
+        # ``create_now``, ``flush_now``, ``rename_now`` and ``mkdir_now`` answer the common
+        # steps of a store (a new passthrough file, its close, its rename to the final name,
+        # the directories above it) the same way.
         inline = [
             "lookup",
             "getattr",
@@ -652,6 +653,7 @@ class KernelSession:
             "create",
             "flush",
             "rename",
+            "mkdir",
         ]
         if all(hasattr(ops, f"{op}_now") for op in inline):
             self._inline = {
@@ -664,6 +666,7 @@ class KernelSession:
                 Opcode.FLUSH: self._flush_now,
                 Opcode.RENAME: self._rename_now,
                 Opcode.RENAME2: self._rename_now,
+                Opcode.MKDIR: self._mkdir_now,
             }
         self._stopping = False
         devices = _mount_devices(path)
@@ -1141,7 +1144,7 @@ class KernelSession:
 
     def _reply(self, req: _Request, parts: Sequence[Buffer]) -> bool:
         """Answer a request with success and ``parts``; False when the answer reached nobody."""
-        size = abi.OUT_HEADER.size + sum(len(part) for part in parts)
+        size = abi.OUT_HEADER.size + sum(map(len, parts))
         return self._send(req, [abi.OUT_HEADER.pack(size, 0, req.unique), *parts])
 
     def _reply_error(self, req: _Request, err: int) -> None:
@@ -1172,7 +1175,7 @@ class KernelSession:
         return True
 
     def _notify(self, code: NotifyCode, parts: list[bytes]) -> None:
-        size = abi.OUT_HEADER.size + sum(len(part) for part in parts)
+        size = abi.OUT_HEADER.size + sum(map(len, parts))
         with self._lock:
             fd = self._fd
             if fd is None:
@@ -1296,11 +1299,18 @@ class KernelSession:
         await self._reply_entry(req, entry)
 
     async def _mkdir(self, req: _Request) -> None:
+        entry = await self._ops.mkdir(req.nodeid, *self._mkdir_in(req))
+        await self._reply_entry(req, entry)
+
+    def _mkdir_now(self, req: _Request) -> None:
+        entry = self._ops.mkdir_now(req.nodeid, *self._mkdir_in(req))
+        if not self._reply(req, [_entry_out(entry)]):
+            self._ops.forget_now([(entry.st_ino, 1)])  # the kernel never counted it
+
+    def _mkdir_in(self, req: _Request) -> tuple[bytes, int, RequestContext]:
         mode, umask = abi.MKDIR_IN.unpack_from(req.body)
         mode = (mode & ~stat.S_IFMT(mode)) | stat.S_IFDIR  # the kernel leaves the type out
-        name = _name(req.body, abi.MKDIR_IN.size)
-        entry = await self._ops.mkdir(req.nodeid, name, mode, self._ctx(req, umask))
-        await self._reply_entry(req, entry)
+        return _name(req.body, abi.MKDIR_IN.size), mode, self._ctx(req, umask)
 
     async def _unlink(self, req: _Request) -> None:
         await self._ops.unlink(req.nodeid, _name(req.body), self._ctx(req))

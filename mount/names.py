@@ -137,15 +137,22 @@ class NameRequests(pyfuse3.Operations):
     async def mkdir(
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
+        parent, mode, owner = self._mkdir_args(parent_inode, name, mode, ctx)
+        return self._entry(await self.objects.mkdir(parent, name, mode, owner))
+
+    def _mkdir_now(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        """MKDIR from memory, in the kernel session's receive loop (``Objects.mkdir_now``)."""
+        parent, mode, owner = self._mkdir_args(parent_inode, name, mode, ctx)
+        return self._entry(self.objects.mkdir_now(parent, name, mode, owner))
+
+    def _mkdir_args(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[Node, int, tuple[int, int]]:
         parent = self._new_dir(parent_inode, name)
         mode = stat.S_IFDIR | self._masked(mode) | (parent.mode & stat.S_ISGID)  # as ext4 does
-
-        def make(rel: bytes, uid: int, gid: int) -> os.stat_result:
-            return self.objects.store.mkdir(rel, mode, uid, gid)
-
-        return self._entry(
-            await self.objects.make_node(parent, name, make, self._owner(parent, ctx))
-        )
+        return parent, mode, self._owner(parent, ctx)
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         await self.objects.rmdir(self._dir(parent_inode), name)

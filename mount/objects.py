@@ -270,8 +270,12 @@ class Objects:
         nursery.start_soon(self.keep_spare_tmps_forever)
 
     def shutdown(self) -> None:
-        """Persist the last reads' recency, drop the spare temp files, finish the queued I/O
-        and stop its threads."""
+        """Make the directories only the index has, persist the last reads' recency, drop the
+        spare temp files, finish the queued I/O and stop its threads."""
+        unmade = self._unmade_dirs()
+        if unmade:
+            dirs = self._dirs_to_make(unmade)
+            self.pool.submit(Queue.WRITE, partial(self.store.make_dirs, dirs), _log_failure)
         for spare in self._spare_tmps:
             os.close(spare.fd)
             self.pool.submit(Queue.WRITE, partial(self.store.discard, spare.rel), _log_failure)
@@ -429,6 +433,7 @@ class Objects:
                 if self.index.child(parent, name) is not None:
                     raise fail(errno.EEXIST)
                 rel = os.path.join(self._attached(parent), name)
+                await self._make_dirs(parent)
                 st = await self.io.read(make, rel, *owner)
                 node = self.index.new_node(name, st.st_mode, *owner)
                 fill_times(node, st)
@@ -445,6 +450,84 @@ class Objects:
 
         return await self.bounded(op)
 
+    async def mkdir(self, parent: Node, name: bytes, mode: int, owner: tuple[int, int]) -> Node:
+        """A new directory: in the index only (``_dir_in_index``); on a shared backing
+        directory, where other hosts look, on the backing store at once."""
+        if self.share is not None:
+
+            def make(rel: bytes, uid: int, gid: int) -> os.stat_result:
+                return self.store.mkdir(rel, mode, uid, gid)
+
+            return await self.make_node(parent, name, make, owner)
+
+        async def op() -> Node:
+            async with self._ns:
+                return self._dir_in_index(parent, name, mode, owner)
+
+        return await self.bounded(op)
+
+    def mkdir_now(self, parent: Node, name: bytes, mode: int, owner: tuple[int, int]) -> Node:
+        """``mkdir`` from memory; NeedsIO while the namespace lock is held (a rename or rmdir
+        may be between its check of a name and its change) and on a shared mount."""
+        if self._ns.locked() or self.share is not None:
+            raise NeedsIO()
+        return self._dir_in_index(parent, name, mode, owner)
+
+    def _dir_in_index(self, parent: Node, name: bytes, mode: int, owner: tuple[int, int]) -> Node:
+        """A directory in the index only. The backing store gets it, with the mode and owner
+        the node has by then, when something is first put beneath it (``_make_dirs``): an
+        engine's mkdir -p before each store costs no trip to the disk (vLLM puts every chunk two
+        new hash directories deep), and a crash loses only directories with nothing published
+        in them."""
+        if self.index.child(parent, name) is not None:
+            raise fail(errno.EEXIST)
+        self._attached(parent)
+        node = self.index.new_node(name, mode, *owner)
+        node.atime_ns = node.mtime_ns = node.ctime_ns = time.time_ns()
+        self.index.attach(parent, name, node)
+        return node
+
+    async def _make_dirs(self, directory: Node) -> None:
+        """Make the directory and those above it that only the index has, in one trip; the
+        caller holds the namespace lock."""
+        unmade = self._unmade(directory)
+        if unmade:
+            await self.io.read(self.store.make_dirs, self._dirs_to_make(unmade))
+            self._made(unmade)
+
+    def _unmade(self, directory: Node) -> list[Node]:
+        """The directory and those above it that only the index has (``_dir_in_index``), top
+        down."""
+        unmade = []
+        while not directory.on_backing and directory.parent is not None:
+            unmade.append(directory)
+            directory = directory.parent
+        unmade.reverse()
+        return unmade
+
+    def _unmade_dirs(self) -> list[Node]:
+        """Every directory in the tree that only the index has, each after its parent."""
+        unmade, stack = [], [self.index.root]
+        while stack:
+            directory = stack.pop()
+            if not directory.subdirs:  # (a chunk directory's files are not looked at)
+                continue
+            assert directory.children is not None
+            for child in directory.children.values():
+                if child.is_dir:
+                    stack.append(child)
+                    if not child.on_backing:
+                        unmade.append(child)
+        return unmade
+
+    def _dirs_to_make(self, unmade: list[Node]) -> list[tuple[bytes, int, int, int]]:
+        return [(self.index.path(d), d.mode, d.uid, d.gid) for d in unmade]
+
+    @staticmethod
+    def _made(unmade: list[Node]) -> None:
+        for directory in unmade:
+            directory.on_backing = True
+
     async def rmdir(self, parent: Node, name: bytes) -> None:
         async def op() -> None:
             async with self._ns:
@@ -453,7 +536,9 @@ class Objects:
                     raise fail(errno.ENOTDIR)
                 if node.children:
                     raise fail(errno.ENOTEMPTY)
-                await self.io.read(self.store.rmdir, self._attached(node))
+                rel = self._attached(node)
+                if node.on_backing:  # else only the index has it
+                    await self.io.read(self.store.rmdir, rel)
                 self.index.detach(node)
 
         await self.bounded(op)
@@ -480,6 +565,10 @@ class Objects:
                     return
                 old_rel = os.path.join(self._attached(old_parent), old_name)
                 new_rel = os.path.join(self._attached(new_parent), new_name)
+                if node.is_dir and target is not None and target.on_backing:
+                    await self._make_dirs(node)  # to take the place of the empty one there
+                if node.on_backing:
+                    await self._make_dirs(new_parent)
                 moving = self._published_below(node) if self.share is not None else []
                 # Shared: an engine's temp renamed to a final name publishes it, and must not
                 # replace a file another host published there (unless it is the same bytes).
@@ -578,6 +667,7 @@ class Objects:
                     raise fail(errno.EEXIST)
                 rel = os.path.join(self._attached(parent), name)
                 if node.on_backing:  # else its publish makes every name
+                    await self._make_dirs(parent)
                     await self.io.read(self.store.link, self._attached(node), rel)
                 self.index.link(node, parent, name)
                 node.ctime_ns = time.time_ns()
@@ -653,7 +743,10 @@ class Objects:
     async def set_pinned(self, node: Node, pinned: bool) -> None:
         async def op() -> None:
             async with self._ns:
-                await self.io.read(self.store.save_pinned, self._attached(node), pinned)
+                rel = self._attached(node)
+                if node.is_dir:
+                    await self._make_dirs(node)
+                await self.io.read(self.store.save_pinned, rel, pinned)
                 self.index.set_pinned(node, pinned)
 
         await self.bounded(op)
@@ -1098,6 +1191,8 @@ class Objects:
             if attrs != prepared.attrs:  # chmod, chown, touch after its close
                 mode, uid, gid, times = attrs
                 await self.io.read(self.store.set_attrs, rel, mode, (uid, gid), times)
+            for parent, _ in node.links:
+                await self._make_dirs(parent)
             for alias in self.index.paths(node)[1:]:  # hard links: every name, the new bytes
                 await self.io.read(self.store.relink, rel, alias)
             rewritten = node.on_backing
@@ -1124,7 +1219,10 @@ class Objects:
         published is taken with link() instead, which never replaces another host's file:
         what holds the name then is returned (``_lost_race``)."""
         if self.store.host is None or node.on_backing:
-            await self.io.read(self.store.rename, src, rel)
+            assert node.parent is not None
+            unmade = self._unmade(node.parent)  # made in the same trip
+            await self.io.read(self.store.rename_into, src, rel, self._dirs_to_make(unmade))
+            self._made(unmade)
             return None
         return await self.io.read(self.store.link_new, src, rel)
 

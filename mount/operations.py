@@ -82,6 +82,7 @@ class KvfsOperations(NameRequests):
         self.create_now = self.metrics.timed_now("create", self._create_now)
         self.flush_now = self.metrics.timed_now("flush", self._flush_now)
         self.rename_now = self.metrics.timed_now("rename", self._rename_now)
+        self.mkdir_now = self.metrics.timed_now("mkdir", self._mkdir_now)
 
     def report(self, walk: bool) -> Report:
         session = sessions.report(self.session)

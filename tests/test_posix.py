@@ -190,6 +190,81 @@ def test_mkdir_rmdir_readdir(d: Path) -> None:
     assert os.listdir(d) == ["n1"]
 
 
+def test_a_directory_reaches_the_backing_store_with_the_first_thing_put_beneath_it(
+    kv_mount: Mount, d: Path
+) -> None:
+    """A mkdir changes only the index (an engine's mkdir -p before each store costs no disk
+    trip); the first file published, symlink or special file made beneath makes the missing
+    directories, with the modes and owners they have by then."""
+    deep = d / "a" / "b" / "c"
+    deep.mkdir(parents=True)
+    (d / "a").chmod(0o701)
+    os.chown(d / "a" / "b", 65534, 65534)
+    os.utime(deep, ns=(10**18, 10**18))
+    backing = kv_mount.backing / d.name
+    kv_mount.settle()
+    assert not backing.exists()
+    assert stat.S_IMODE((d / "a").stat().st_mode) == 0o701 and deep.stat().st_mtime_ns == 10**18
+    (deep / "gone").mkdir()
+    (deep / "gone").rmdir()
+    os.rename(deep, d / "a" / "b" / "moved")
+    (d / "a" / "b" / "moved" / "f").write_bytes(b"f" * 5000)
+    kv_mount.settle()
+    assert (backing / "a" / "b" / "moved" / "f").read_bytes() == b"f" * 5000
+    assert not (backing / "a" / "b" / "c").exists()
+    assert not (backing / "a" / "b" / "moved" / "gone").exists()
+    for inside in (d, d / "a", d / "a" / "b", d / "a" / "b" / "moved"):
+        mounted, held = inside.stat(), (backing / inside.relative_to(d)).stat()
+        assert (mounted.st_mode, mounted.st_uid, mounted.st_gid) == (
+            held.st_mode,
+            held.st_uid,
+            held.st_gid,
+        ), inside
+    (d / "s").mkdir()
+    os.symlink("target", d / "s" / "link")
+    assert os.readlink(backing / "s" / "link") == "target"
+
+
+def test_a_directory_renamed_over_an_empty_one_takes_its_place_on_the_backing_store(
+    kv_mount: Mount, d: Path
+) -> None:
+    (d / "old").mkdir()
+    (d / "old" / "f").write_bytes(b"1")
+    kv_mount.settle()
+    (d / "old" / "f").unlink()  # "old" is on the backing store, empty
+    os.setxattr(d / "old", "user.kvfs.pin", b"1")
+    assert os.getxattr(kv_mount.backing / d.name / "old", "user.kvfs.pinned") == b"1"
+    (d / "new").mkdir(mode=0o711)  # only in the index
+    assert (d / "new").stat().st_mode != (d / "old").stat().st_mode
+    os.rename(d / "new", d / "old")
+    (d / "old" / "g").write_bytes(b"g")
+    held = kv_mount.on_backing(d / "old")
+    assert os.listdir(held) == ["g"] and held.stat().st_mode == (d / "old").stat().st_mode
+    assert not (kv_mount.backing / d.name / "new").exists()
+    assert os.getxattr(d / "old", "user.kvfs.pin") == b"0"  # the one that took the name
+    with pytest.raises(OSError):  # ... and its own directory on the backing store
+        os.getxattr(held, "user.kvfs.pinned")
+
+
+def test_directories_only_the_index_has_are_made_at_unmount_and_lost_only_to_a_kill(
+    fresh_mount: Mount,
+) -> None:
+    root = fresh_mount.path
+    (root / "kept" / "deep").mkdir(parents=True)
+    os.chmod(root / "kept" / "deep", 0o705)
+    fresh_mount.restart()
+    for base in (root, fresh_mount.backing):
+        assert stat.S_IMODE((base / "kept" / "deep").stat().st_mode) == 0o705
+    (root / "lost" / "deep").mkdir(parents=True)
+    (root / "stored" / "deep").mkdir(parents=True)
+    (root / "stored" / "deep" / "f").write_bytes(b"f" * 4096)
+    fresh_mount.settle()
+    fresh_mount.kill()
+    fresh_mount.start()
+    assert (root / "stored" / "deep" / "f").read_bytes() == b"f" * 4096
+    assert sorted(os.listdir(root)) == ["kept", "stored"]
+
+
 def test_setattr_truncate_chmod_chown_utimens(kv_mount: Mount, d: Path) -> None:
     f = d / "f"
     f.write_bytes(b"0123456789")

@@ -148,6 +148,8 @@ def test_permissions_and_ownership_hold_for_other_users(shared_mount: Mount) -> 
     assert errno_of("os.symlink('mine', 'public/link')", root) == "ok"
     assert errno_of("os.mkdir('group/sub')", root) == "ok"
     assert errno_of("open('group/file', 'w').write('g')", root) == "ok"
+    # (a directory reaches the backing store with the first file in it)
+    assert errno_of("open('group/sub/file', 'w').write('s')", root) == "ok"
     shared_mount.settle()
     for path in (root / "public" / "mine", shared_mount.backing / "public" / "mine"):
         st = os.lstat(path)
@@ -155,7 +157,8 @@ def test_permissions_and_ownership_hold_for_other_users(shared_mount: Mount) -> 
     for name in ("sub", "file"):  # a set-group-ID directory hands its group down
         for base in (root, shared_mount.backing):
             assert os.lstat(base / "group" / name).st_gid == 4321
-    assert os.stat(root / "group" / "sub").st_mode & stat.S_ISGID
+    for base in (root, shared_mount.backing):
+        assert os.stat(base / "group" / "sub").st_mode & stat.S_ISGID
     assert os.lstat(root / "public" / "link").st_uid == NOBODY
     assert errno_of("os.unlink('public/mine')", root) == "ok"
     os.chown(root / "public" / "roots", NOBODY, NOBODY)  # and root may do what root may
