@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
@@ -22,6 +23,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvfs import __version__
 from kvfs.config import daemon_log
+from kvfs.mount.metrics import Latencies
 from tests.conftest import Mount, free_port, kvfs, make_mount, small_filesystem
 from tests.test_integrity import flip_byte
 from tools import vllm_io
@@ -112,6 +114,29 @@ def test_metrics_deltas_match_a_known_workload(observed_mount: tuple[Mount, int,
     # Answered inline by the kernel session (no task of their own): still timed.
     assert delta('kvfs_operation_duration_seconds_count{operation="lookup"}') >= 6
     assert after["kvfs_capacity_bytes"] > 0 and "kvfs_checksum_failures_total" in after
+
+
+def test_the_latency_histogram_counts_each_request_in_the_first_bucket_that_holds_it() -> None:
+    latencies = Latencies(["lookup", "open"])
+    for seconds in (5e-6, 1e-5, 2e-5, 3.0, 100.0):  # a bound holds its own value ("le")
+        latencies.of("lookup").observe(seconds)
+    registry = CollectorRegistry()
+    registry.register(latencies)
+    samples = {
+        (s.name, s.labels["operation"], s.labels.get("le")): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
+    name = "kvfs_operation_duration_seconds"
+    cumulative = {le: samples[(f"{name}_bucket", "lookup", le)] for le in ("1e-05", "5e-05")}
+    assert cumulative == {"1e-05": 2, "5e-05": 3}
+    assert samples[(f"{name}_bucket", "lookup", "30.0")] == 4
+    assert (
+        samples[(f"{name}_bucket", "lookup", "+Inf")] == samples[(f"{name}_count", "lookup", None)]
+    )
+    assert samples[(f"{name}_count", "lookup", None)] == 5
+    assert samples[(f"{name}_sum", "lookup", None)] == pytest.approx(103.000035)
+    assert samples[(f"{name}_count", "open", None)] == 0
 
 
 def test_an_engine_checking_chunks_it_stored_asks_the_daemon_nothing(
