@@ -122,6 +122,16 @@ def test_a_request_partly_in_host_partly_on_the_mount_partly_nowhere(
         metrics.get_sample_value("kvfs_connector_lookups_total", {"tier": "fs", "result": "hit"})
         == 2
     )
+    fs = {
+        result: metrics.get_sample_value(
+            "kvfs_connector_lookups_total", {"tier": "fs", "result": result}
+        )
+        or 0
+        for result in ("hit", "miss", "timeout")
+    }
+    assert fs["miss"] == 2  # chunks 4-5
+    hit_ratio = metrics.get_sample_value("kvfs_connector_hit_ratio", {"tier": "fs"})
+    assert hit_ratio == fs["hit"] / sum(fs.values())
     assert metrics.get_sample_value("kvfs_tier_fs_o_direct", {"tier": "fs"}) == 1
     assert h.conn.manager.host.busy_slots == 0
 
