@@ -1,0 +1,41 @@
+"""tools/trace_chunk_io.py times every system call of a chunk store and load, and changes none."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvfs import chunk_io
+from tools.trace_chunk_io import CallTimes, instrument
+
+
+def test_every_call_of_a_chunk_store_and_load_is_timed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(chunk_io, "os", chunk_io.os)  # put back after the test
+    times = CallTimes()
+    instrument(times, raw_opens=True)
+    data = bytes(range(256)) * 16
+    path = str(tmp_path / "a" / "b" / "chunk.bin")
+    assert chunk_io.store(path, data)
+    loaded = bytearray(len(data))
+    chunk_io.load_into(path, memoryview(loaded))
+    with pytest.raises(FileNotFoundError):  # a failed call is timed and raised as it was
+        chunk_io.load_into(str(tmp_path / "missing.bin"), memoryview(loaded))
+
+    assert loaded == data
+    assert {call: len(s) for call, s in times.seconds.items()} == {
+        "exists": 1,
+        "open (create)": 2,  # the first finds no directory
+        "mkdir": 3,  # a/b (no a), a, a/b
+        "write": 1,
+        "close (create)": 1,
+        "replace": 1,
+        "open (load, raw)": 2,  # the system call alone: the GIL kept
+        "lseek": 1,
+        "preadv": 1,
+        "close (load)": 1,
+    }
+    report = times.report().splitlines()
+    assert report[0].split()[:2] == ["call", "n"] and len(report) == 11
