@@ -4,7 +4,7 @@
 VENV        := .venv
 PY          := $(VENV)/bin/python
 MOUNTPOINT  ?= /mnt/kv-cache
-APT_PKGS    := fuse3 libfuse3-dev pkg-config attr
+APT_PKGS    := fuse3 libfuse3-dev pkg-config attr gcc
 VLLM        := vllm==0.33.0
 TORCH       := torch==2.13.0
 
@@ -39,7 +39,7 @@ lint: $(VENV)/.test
 	$(VENV)/bin/ruff check kvfs mount connector tests tools
 	$(VENV)/bin/ruff format --check kvfs mount connector tests tools
 	rm -rf $(MYPY_TREE) && mkdir -p $(MYPY_TREE)
-	ln -s $(CURDIR)/kvfs/*.py $(MYPY_TREE)/
+	ln -s $(CURDIR)/kvfs/*.py $(CURDIR)/kvfs/*.pyi $(MYPY_TREE)/
 	ln -s $(CURDIR)/mount $(CURDIR)/connector $(MYPY_TREE)/
 	cd $(dir $(MYPY_TREE)) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml \
 		--cache-dir $(CURDIR)/build/mypy-cache kvfs
@@ -60,7 +60,8 @@ $(VENV)/bin/python:
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 
-$(VENV)/.mount: pyproject.toml | $(VENV)/bin/python
+# (kvfs/_chunk_calls.c is built by the install, into kvfs/: again when it changes)
+$(VENV)/.mount: pyproject.toml kvfs/_chunk_calls.c | $(VENV)/bin/python
 	$(VENV)/bin/pip install -q -e '.[mount]'
 	touch $@
 

@@ -7,6 +7,10 @@ chunks, never serve partial ones.
 load: open -> the size (a seek to the end) must be the chunk size -> one preadv into the
 caller's buffer.
 
+Both run in C where the package was built with it (``kvfs/_chunk_calls.c``): a store's
+create-write-close-rename and a load's four calls each let the GIL go once, not four times;
+the same calls in Python otherwise (``_store_calls``, ``_load_calls``: the reference).
+
 O_DIRECT needs page-aligned buffers and sizes (the host region's slots are); ``probe_o_direct``
 tells once whether a directory takes it, as vLLM probes at start.
 """
@@ -14,6 +18,7 @@ tells once whether a directory takes it, as vLLM probes at start.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 
@@ -33,33 +38,45 @@ def store(path: str, data: memoryview | bytes | mmap.mmap, o_direct: bool = Fals
         return False
     tmp = vllm_layout.temp_name(path)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | (O_DIRECT if o_direct else 0)
+    written = _store(tmp, path, data, flags, 0o644)
+    if written is None:
+        # mkdir -p only for a new directory: on a FUSE mount a mkdir of one that is there
+        # still costs a LOOKUP round trip (the kernel revalidates every name it creates).
+        _make_dirs(os.path.dirname(tmp))
+        written = _store(tmp, path, data, flags, 0o644)
+        if written is None:  # removed again meanwhile
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), tmp)
+    if written != len(data):
+        raise ChunkError(f"short write of {path}: {written} of {len(data)} bytes")
+    return True
+
+
+def _store_calls(
+    tmp: str, path: str, data: memoryview | bytes | mmap.mmap, flags: int, mode: int
+) -> int | None:
+    """Create ``tmp`` (``flags`` hold O_EXCL), one write, close, rename over ``path``: the
+    bytes written (short: not renamed), or None where the directory is missing. The temp file
+    is gone afterwards unless renamed, whatever is raised."""
     try:
-        fd = _create(tmp, flags)
+        fd = os.open(tmp, flags, mode)
+    except FileNotFoundError:
+        return None
+    renamed = False
+    try:
         try:
             written = os.write(fd, data)
         finally:
             os.close(fd)  # a kvfs mount reports a failed publish here
-        if written != len(data):
-            raise ChunkError(f"short write of {path}: {written} of {len(data)} bytes")
-        try:
-            os.replace(tmp, path)
-        except FileExistsError:  # filesystems that refuse to replace: the chunk is there
-            os.unlink(tmp)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return True
-
-
-def _create(tmp: str, flags: int) -> int:
-    try:
-        return os.open(tmp, flags, 0o644)
-    except FileNotFoundError:
-        # mkdir -p only for a new directory: on a FUSE mount a mkdir of one that is there
-        # still costs a LOOKUP round trip (the kernel revalidates every name it creates).
-        _make_dirs(os.path.dirname(tmp))
-        return os.open(tmp, flags, 0o644)
+        if written == len(data):
+            # a filesystem that refuses to replace: the chunk is there
+            with contextlib.suppress(FileExistsError):
+                os.replace(tmp, path)
+                renamed = True
+        return written
+    finally:
+        if not renamed:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def _make_dirs(directory: str) -> None:
@@ -85,21 +102,37 @@ def load_into(path: str, buffer: memoryview | mmap.mmap, o_direct: bool = False)
     A file of another size is not a chunk of this configuration (all are one size): a shorter
     one is a torn or truncated file and is removed, as vLLM removes it; a longer one is left.
     """
-    fd = os.open(path, os.O_RDONLY | (O_DIRECT if o_direct else 0))
+    size, got = _load(path, buffer, O_DIRECT if o_direct else 0)
+    if size != len(buffer):
+        if size < len(buffer):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise ChunkError(f"{path} has {size} bytes, a chunk is {len(buffer)}")
+    if got != len(buffer):
+        raise ChunkError(f"short read of {path}: {got} of {len(buffer)} bytes")
+
+
+def _load_calls(path: str, buffer: memoryview | mmap.mmap, flags: int) -> tuple[int, int]:
+    """open, the size, and one pread where it is the buffer's: (size, bytes read or -1)."""
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         # The size by seeking, not fstat: on a FUSE mount the read before this one made the
         # kernel's atime stale, and fstat would cost a GETATTR round trip to the daemon.
         size = os.lseek(fd, 0, os.SEEK_END)
-        if size != len(buffer):
-            if size < len(buffer):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            raise ChunkError(f"{path} has {size} bytes, a chunk is {len(buffer)}")
-        got = os.preadv(fd, [buffer], 0)
-        if got != len(buffer):
-            raise ChunkError(f"short read of {path}: {got} of {len(buffer)} bytes")
+        return size, os.preadv(fd, [buffer], 0) if size == len(buffer) else -1
     finally:
         os.close(fd)
+
+
+# The same calls in C, letting the GIL go once instead of at each: a call that blocks (a FUSE
+# round trip) lets another thread of the engine take the GIL, and the I/O thread then waits
+# behind it to go on (docs/benchmarks.md, session 13). Built with the package where a C
+# compiler is (pyproject.toml); the calls above otherwise.
+try:
+    from kvfs._chunk_calls import load as _load
+    from kvfs._chunk_calls import store as _store
+except ImportError:  # pragma: no cover
+    _load, _store = _load_calls, _store_calls
 
 
 def probe_o_direct(directory: str) -> bool:

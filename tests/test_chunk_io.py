@@ -1,0 +1,147 @@
+"""A chunk's load and store system calls: in C (one GIL release each) and in Python, the same
+answers, and nothing left behind by a store that failed."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvfs import _chunk_calls, chunk_io
+
+SIZE = 2 * mmap.PAGESIZE
+LOADS: dict[str, Callable[[str, mmap.mmap, int], tuple[int, int]]] = {
+    "c": _chunk_calls.load,
+    "python": chunk_io._load_calls,
+}
+Store = Callable[[str, str, bytes | mmap.mmap, int, int], int | None]
+STORES: dict[str, Store] = {"c": _chunk_calls.store, "python": chunk_io._store_calls}
+CREATE = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC
+
+
+def test_chunk_io_uses_the_c_calls() -> None:
+    # built with the package (pyproject.toml)
+    assert (chunk_io._load, chunk_io._store) == (_chunk_calls.load, _chunk_calls.store)
+
+
+@pytest.fixture
+def buffer() -> mmap.mmap:
+    return mmap.mmap(-1, SIZE)  # page-aligned, as the host region's slots are (O_DIRECT)
+
+
+@pytest.mark.parametrize("load", LOADS.values(), ids=LOADS.keys())
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+def test_a_chunk_of_the_buffers_size_is_read_whole(
+    load: Callable[[str, mmap.mmap, int], tuple[int, int]],
+    o_direct: bool,
+    tmp_path: Path,
+    buffer: mmap.mmap,
+) -> None:
+    if o_direct and not chunk_io.probe_o_direct(str(tmp_path)):
+        pytest.skip(f"{tmp_path} takes no O_DIRECT")
+    data = os.urandom(SIZE)
+    path = tmp_path / "chunk.bin"
+    path.write_bytes(data)
+    assert load(str(path), buffer, chunk_io.O_DIRECT if o_direct else 0) == (SIZE, SIZE)
+    assert buffer[:] == data
+
+
+@pytest.mark.parametrize("load", LOADS.values(), ids=LOADS.keys())
+@pytest.mark.parametrize("size", [0, SIZE - 1, SIZE + 1])
+def test_a_file_of_another_size_is_not_read(
+    load: Callable[[str, mmap.mmap, int], tuple[int, int]],
+    size: int,
+    tmp_path: Path,
+    buffer: mmap.mmap,
+) -> None:
+    path = tmp_path / "chunk.bin"
+    path.write_bytes(b"x" * size)
+    assert load(str(path), buffer, 0) == (size, -1)
+    assert buffer[:] == bytes(SIZE)  # untouched
+
+
+@pytest.mark.parametrize("load", LOADS.values(), ids=LOADS.keys())
+def test_a_missing_chunk_raises_what_open_raises_naming_the_path(
+    load: Callable[[str, mmap.mmap, int], tuple[int, int]], tmp_path: Path, buffer: mmap.mmap
+) -> None:
+    path = str(tmp_path / "missing.bin")
+    with pytest.raises(FileNotFoundError) as raised:
+        load(path, buffer, 0)
+    assert raised.value.filename == path
+
+
+def test_load_into_removes_a_short_file_and_leaves_a_long_one(
+    tmp_path: Path, buffer: mmap.mmap
+) -> None:
+    short, long = tmp_path / "short.bin", tmp_path / "long.bin"
+    short.write_bytes(b"x" * (SIZE - 1))
+    long.write_bytes(b"x" * (SIZE + 1))
+    with pytest.raises(chunk_io.ChunkError, match="a chunk is"):
+        chunk_io.load_into(str(short), buffer)
+    with pytest.raises(chunk_io.ChunkError, match="a chunk is"):
+        chunk_io.load_into(str(long), buffer)
+    assert not short.exists() and long.exists()
+
+
+@pytest.mark.parametrize("store", STORES.values(), ids=STORES.keys())
+def test_a_store_writes_the_temp_file_and_renames_it_over_the_name(
+    store: Store, tmp_path: Path
+) -> None:
+    tmp, path = str(tmp_path / "c.bin_1.tmp"), str(tmp_path / "c.bin")
+    Path(path).write_bytes(b"old")  # replaced: a chunk's bytes are its name's
+    assert store(tmp, path, b"chunk", CREATE, 0o640) == 5
+    assert Path(path).read_bytes() == b"chunk" and not os.path.exists(tmp)
+    assert os.stat(path).st_mode & 0o777 == 0o640
+
+
+@pytest.mark.parametrize("store", STORES.values(), ids=STORES.keys())
+def test_a_store_into_a_missing_directory_makes_nothing(store: Store, tmp_path: Path) -> None:
+    tmp, path = str(tmp_path / "no" / "c.bin_1.tmp"), str(tmp_path / "no" / "c.bin")
+    assert store(tmp, path, b"chunk", CREATE, 0o644) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("store", STORES.values(), ids=STORES.keys())
+def test_a_temp_name_taken_is_left_to_its_owner(store: Store, tmp_path: Path) -> None:
+    tmp, path = tmp_path / "c.bin_1.tmp", tmp_path / "c.bin"
+    tmp.write_bytes(b"theirs")
+    with pytest.raises(FileExistsError) as raised:
+        store(str(tmp), str(path), b"chunk", CREATE, 0o644)
+    assert raised.value.filename == str(tmp)
+    assert tmp.read_bytes() == b"theirs" and not path.exists()
+
+
+@pytest.mark.parametrize("store", STORES.values(), ids=STORES.keys())
+def test_a_failed_rename_names_both_paths_and_removes_the_temp_file(
+    store: Store, tmp_path: Path
+) -> None:
+    tmp, path = tmp_path / "c.bin_1.tmp", tmp_path / "c.bin"
+    (path / "x").mkdir(parents=True)  # a directory that is not empty holds the name
+    with pytest.raises(OSError) as raised:
+        store(str(tmp), str(path), b"chunk", CREATE, 0o644)
+    assert (raised.value.filename, raised.value.filename2) == (str(tmp), str(path))
+    assert not tmp.exists() and path.is_dir()
+
+
+@pytest.mark.parametrize("store", STORES.values(), ids=STORES.keys())
+def test_a_failed_write_removes_the_temp_file(store: Store, tmp_path: Path) -> None:
+    if not chunk_io.probe_o_direct(str(tmp_path)):
+        pytest.skip(f"{tmp_path} takes no O_DIRECT")
+    tmp, path = tmp_path / "c.bin_1.tmp", tmp_path / "c.bin"
+    with pytest.raises(OSError) as raised:  # O_DIRECT refuses an unaligned length
+        store(str(tmp), str(path), b"x" * 1000, CREATE | chunk_io.O_DIRECT, 0o644)
+    assert raised.value.errno == errno.EINVAL
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_store_makes_the_missing_directories_and_skips_a_chunk_already_there(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "a" / "b" / "c.bin"
+    assert chunk_io.store(str(path), b"chunk")
+    assert not chunk_io.store(str(path), b"other")  # content-addressed: the same bytes
+    assert path.read_bytes() == b"chunk" and os.listdir(path.parent) == ["c.bin"]
