@@ -194,6 +194,9 @@ class WriteState:
     failed: int | None = None  # errno of a failed write or close: it is never published
     abandoned: bool = False  # its writer was killed with the file open: never published
     direct: bool = False  # a passthrough writer opened it O_DIRECT: its bytes skip the page cache
+    # A passthrough file's size and mtime as its rename published it, its writer's descriptor
+    # still open: a write after that (through a dup of it) changed it behind its checksum.
+    published_as: tuple[int, int] | None = None
 
     def changed(self) -> None:
         self.dirty = True
@@ -561,6 +564,22 @@ class Objects:
         async def op() -> None:
             async with self._ns:
                 node, target = self._renaming(old_parent, old_name, new_parent, new_name, noreplace)
+                # The engine's store: its closed temp file, renamed to the chunk's name. The
+                # rename returns once it is published: it must survive a kill -9 of the daemon.
+                closed = self._closed_write(node)
+                if closed is not None and self._renames_in_memory(node, target, new_parent):
+                    self.index.move(old_parent, old_name, new_parent, new_name)
+                else:
+                    closed = None
+            if closed is not None:
+                async with closed.lock:  # after a publish its RELEASE started meanwhile
+                    if self._closed_write(node) is closed:
+                        await self._publish(node, closed)
+                        if closed.file is not None and node.on_backing:
+                            closed.published_as = self._version(closed)[:2]
+                return
+            async with self._ns:
+                node, target = self._renaming(old_parent, old_name, new_parent, new_name, noreplace)
                 if target is node:  # two names of one file: POSIX says do nothing
                     return
                 old_rel = os.path.join(self._attached(old_parent), old_name)
@@ -615,11 +634,29 @@ class Objects:
         if self._ns.locked() or self.share is not None:
             raise NeedsIO()
         node, target = self._renaming(old_parent, old_name, new_parent, new_name, noreplace)
-        if target is not None or node.is_dir or node.on_backing:
+        if not self._renames_in_memory(node, target, new_parent):
             raise NeedsIO()
-        if not (old_parent.attached and new_parent.attached):
-            raise fail(errno.ENOENT)
+        if self._closed_write(node) is not None:  # the rename publishes it (``rename``)
+            raise NeedsIO()
         self.index.move(old_parent, old_name, new_parent, new_name)
+
+    def _renames_in_memory(self, node: Node, target: Node | None, new_parent: Node) -> bool:
+        """Whether a rename of ``node`` changes only the index: a file not on the backing store
+        to a free name (its publish places it under the new one)."""
+        if target is not None or node.is_dir or node.on_backing:
+            return False
+        if not (node.attached and new_parent.attached):
+            raise fail(errno.ENOENT)
+        return True
+
+    def _closed_write(self, node: Node) -> WriteState | None:
+        """The write state of a file whose writer closed it (FLUSH) and wrote nothing since,
+        not published yet: the engine's store, between its close() and its rename."""
+        ws = self.writes.get(node.ino)
+        if ws is None or not ws.dirty or ws.failed is not None or ws.abandoned:
+            return None
+        prepared = ws.prepared
+        return ws if prepared is not None and prepared.version == self._version(ws) else None
 
     def _renaming(
         self, old_parent: Node, old_name: bytes, new_parent: Node, new_name: bytes, noreplace: bool
@@ -1001,6 +1038,8 @@ class Objects:
             try:
                 if ws.writers == 1:
                     await self._publish(node, ws)
+                    if ws.published_as not in (None, self._version(ws)[:2]):
+                        await self._quarantine(node, "written after its rename published it")
             finally:
                 gone = self.drop_writer(node)
         if gone is not None:  # unpublished, its name went: the kernel must know before we answer

@@ -6,6 +6,7 @@ SIGSTOP, so every call the outer daemon makes on it blocks until SIGCONT.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount
+from kvfs import vllm_layout
+from tests.conftest import Mount, wait_gone
 from tools import vllm_io
 
 TIMEOUT = 1.0
@@ -118,3 +120,38 @@ def test_a_close_that_stalls_on_the_store_holds_up_no_other_request(
     finally:
         wake.cancel()
         os.kill(inner.pid, signal.SIGCONT)
+
+
+@pytest.mark.timeout(60)
+def test_a_rename_returns_only_once_the_chunk_it_names_is_published(
+    stacked: tuple[Mount, Mount],
+) -> None:
+    """The engine's store: write a temp file, close it, rename it to the chunk's name. Once
+    the rename has returned the chunk must survive a kill -9 of the daemon; so while the store
+    is stalled, the rename fails within the deadline instead of returning before the publish."""
+    outer, inner = stacked
+    path = vllm_io.chunk_path(str(outer.path), 3)
+    os.makedirs(os.path.dirname(path))
+    tmp = vllm_layout.temp_name(path)
+    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY)
+    os.write(fd, vllm_io.chunk_bytes(3, CHUNK))
+    # The kernel sends RELEASE, which would publish the file, after close() has returned;
+    # a second descriptor holds it back, so the rename surely comes first (as it may anyway).
+    held = os.dup(fd)
+    os.close(fd)
+    try:
+        os.kill(inner.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(OSError) as err:
+            os.rename(tmp, path)
+        assert err.value.errno == errno.EIO and time.monotonic() - start < TIMEOUT + 1.0
+        os.kill(outer.pid, signal.SIGKILL)  # the store still stalled: the publish cannot end
+    finally:
+        os.kill(inner.pid, signal.SIGCONT)  # a daemon waiting on a FUSE store dies once it answers
+        with contextlib.suppress(OSError):
+            os.close(held)
+    wait_gone(outer.pid)
+    outer.stop()
+    outer.start()
+    if os.path.exists(path):  # its publish went on past the deadline: whole, or not at all
+        assert vllm_io.load(path, CHUNK) == vllm_io.chunk_bytes(3, CHUNK)

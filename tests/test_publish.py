@@ -1,5 +1,6 @@
-"""A name shows whole, current, verified bytes or nothing: publish once, at the last release,
-of what a writer closed; a name that went is gone for every later lookup."""
+"""A name shows whole, current, verified bytes or nothing: publish once, at the last release
+(or at the rename that names a closed file), of what a writer closed; a name that went is gone
+for every later lookup."""
 
 from __future__ import annotations
 
@@ -49,6 +50,35 @@ WRITER = textwrap.dedent(
     os.kill(os.getpid(), 9)
     """
 )
+
+
+def test_renaming_a_closed_file_publishes_it_and_a_write_after_that_is_never_served_mixed(
+    fresh_mount: Mount,
+) -> None:
+    """The engine's store renames its temp file after close(), maybe before the RELEASE: the
+    rename publishes it (it must outlive a kill -9 once it returned). A write through a dup
+    after that is published again (buffered), or, written in passthrough behind the checksum,
+    makes the last release take the file out: its name never serves a mix."""
+    tmp, final = fresh_mount.path / "f.tmp", fresh_mount.path / "f"
+    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, b"a" * CHUNK)
+    held = os.dup(fd)
+    os.close(fd)  # a FLUSH; the RELEASE waits for the dup's close
+    os.rename(tmp, final)
+    assert (fresh_mount.backing / "f").read_bytes() == b"a" * CHUNK
+    assert publishes(fresh_mount) == 1
+    os.pwrite(held, b"b" * 4096, 0)
+    os.close(held)
+    fresh_mount.settle()
+    rewritten = b"b" * 4096 + b"a" * (CHUNK - 4096)
+    counters = json.loads((fresh_mount.path / ".kvfs" / "usage.json").read_bytes())["counters"]
+    if final.exists():  # the daemon's buffer took the write: published again
+        assert final.read_bytes() == rewritten
+        assert (fresh_mount.backing / "f").read_bytes() == rewritten
+        assert counters["publishes"] == 2
+    else:  # the kernel wrote the published file itself
+        assert not (fresh_mount.backing / "f").exists()
+        assert counters["quarantined"] == 1
 
 
 def test_a_writer_killed_mid_file_leaves_no_partial_file_under_its_name(
