@@ -1,7 +1,7 @@
-/* A chunk's load in one call that lets the GIL go once (kvfs/chunk_io.py says why, and holds
- * the same calls in Python: _load_calls, whose contract this keeps). An interrupted system
- * call (EINTR) undoes what was done, runs the signal handlers and starts again, as os.* do
- * (PEP 475). */
+/* A chunk's load and store, each in one call that lets the GIL go once (kvfs/chunk_io.py says
+ * why, and holds the same calls in Python: _load_calls and _store_calls, whose contracts these
+ * keep). An interrupted system call (EINTR) undoes what was done, runs the signal handlers and
+ * starts again, as os.* do (PEP 475). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -61,8 +61,83 @@ static PyObject *load(PyObject *Py_UNUSED(module), PyObject *args)
     return Py_BuildValue("(Ln)", (long long)size, got);
 }
 
+/* store(tmp, path, data, flags, mode) -> written | None: create tmp (flags hold O_EXCL), one
+ * write, close, rename over path; the bytes written (short: not renamed), or None where the
+ * directory is missing. tmp is gone afterwards unless renamed, whatever is raised. */
+static PyObject *store(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *tmp, *path, *tmp_encoded = NULL, *path_encoded = NULL, *result = NULL;
+    Py_buffer data;
+    int flags, mode;
+    if (!PyArg_ParseTuple(args, "OOy*ii", &tmp, &path, &data, &flags, &mode))
+        return NULL;
+    if (!PyUnicode_FSConverter(tmp, &tmp_encoded) || !PyUnicode_FSConverter(path, &path_encoded)) {
+        Py_XDECREF(tmp_encoded);
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    const char *tmp_name = PyBytes_AS_STRING(tmp_encoded);
+    const char *path_name = PyBytes_AS_STRING(path_encoded);
+    enum { DONE, NO_DIRECTORY, FAILED, FAILED_RENAME } outcome;
+    ssize_t written;
+    int failed_errno;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        outcome = DONE;
+        written = -1;
+        failed_errno = 0;
+        int fd = open(tmp_name, flags | O_CLOEXEC, mode);
+        if (fd < 0) {
+            failed_errno = errno;
+            outcome = failed_errno == ENOENT ? NO_DIRECTORY : FAILED;
+        } else {
+            int renamed = 0;
+            written = write(fd, data.buf, (size_t)data.len);
+            if (written < 0) {
+                failed_errno = errno;
+                outcome = FAILED;
+            }
+            if (close(fd) < 0 && outcome == DONE) { /* a kvfs mount reports a failed publish */
+                failed_errno = errno;
+                outcome = FAILED;
+            }
+            if (outcome == DONE && written == data.len) {
+                if (rename(tmp_name, path_name) == 0)
+                    renamed = 1;
+                else if (errno != EEXIST) { /* EEXIST: a filesystem that refuses to replace */
+                    failed_errno = errno;
+                    outcome = FAILED_RENAME;
+                }
+            }
+            if (!renamed)
+                unlink(tmp_name);
+        }
+        Py_END_ALLOW_THREADS
+        if (failed_errno != EINTR)
+            break;
+        if (PyErr_CheckSignals() < 0)
+            goto out;
+    }
+    errno = failed_errno;
+    if (outcome == DONE)
+        result = PyLong_FromSsize_t(written);
+    else if (outcome == NO_DIRECTORY)
+        result = Py_NewRef(Py_None);
+    else if (outcome == FAILED)
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, tmp);
+    else
+        PyErr_SetFromErrnoWithFilenameObjects(PyExc_OSError, tmp, path);
+out:
+    Py_DECREF(tmp_encoded);
+    Py_DECREF(path_encoded);
+    PyBuffer_Release(&data);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"load", load, METH_VARARGS, "Open, size and read a chunk file, the GIL let go once."},
+    {"store", store, METH_VARARGS,
+     "Write a chunk file under a temp name and rename it, the GIL let go once."},
     {NULL, NULL, 0, NULL},
 };
 

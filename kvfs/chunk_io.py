@@ -7,11 +7,9 @@ chunks, never serve partial ones.
 load: open -> the size (a seek to the end) must be the chunk size -> one preadv into the
 caller's buffer.
 
-A load runs in C where the package was built with it (``kvfs/_chunk_calls.c``): its four
-calls let the GIL go once, not four times; the same calls in Python otherwise (``_load_calls``:
-the reference). A store stays in Python: made in C its rename came so soon after its close
-that on a kvfs mount the RENAME was answered before the publish the RELEASE had started, and
-a kill -9 of the daemon then could lose a stored chunk (docs/benchmarks.md, session 13).
+Both run in C where the package was built with it (``kvfs/_chunk_calls.c``): a store's
+create-write-close-rename and a load's four calls each let the GIL go once, not four times;
+the same calls in Python otherwise (``_store_calls``, ``_load_calls``: the reference).
 
 O_DIRECT needs page-aligned buffers and sizes (the host region's slots are); ``probe_o_direct``
 tells once whether a directory takes it, as vLLM probes at start.
@@ -40,12 +38,12 @@ def store(path: str, data: memoryview | bytes | mmap.mmap, o_direct: bool = Fals
         return False
     tmp = vllm_layout.temp_name(path)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | (O_DIRECT if o_direct else 0)
-    written = _store_calls(tmp, path, data, flags, 0o644)
+    written = _store(tmp, path, data, flags, 0o644)
     if written is None:
         # mkdir -p only for a new directory: on a FUSE mount a mkdir of one that is there
         # still costs a LOOKUP round trip (the kernel revalidates every name it creates).
         _make_dirs(os.path.dirname(tmp))
-        written = _store_calls(tmp, path, data, flags, 0o644)
+        written = _store(tmp, path, data, flags, 0o644)
         if written is None:  # removed again meanwhile
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), tmp)
     if written != len(data):
@@ -132,8 +130,9 @@ def _load_calls(path: str, buffer: memoryview | mmap.mmap, flags: int) -> tuple[
 # compiler is (pyproject.toml); the calls above otherwise.
 try:
     from kvfs._chunk_calls import load as _load
+    from kvfs._chunk_calls import store as _store
 except ImportError:  # pragma: no cover
-    _load = _load_calls
+    _load, _store = _load_calls, _store_calls
 
 
 def probe_o_direct(directory: str) -> bool:

@@ -1,5 +1,5 @@
-"""A chunk's load in C (one GIL release) and in Python gives the same answers; a store that
-fails leaves nothing behind."""
+"""A chunk's load and store system calls: in C (one GIL release each) and in Python, the same
+answers, and nothing left behind by a store that failed."""
 
 from __future__ import annotations
 
@@ -18,11 +18,14 @@ LOADS: dict[str, Callable[[str, mmap.mmap, int], tuple[int, int]]] = {
     "c": _chunk_calls.load,
     "python": chunk_io._load_calls,
 }
+Store = Callable[[str, str, bytes | mmap.mmap, int, int], int | None]
+STORES: dict[str, Store] = {"c": _chunk_calls.store, "python": chunk_io._store_calls}
 CREATE = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC
 
 
-def test_chunk_loads_use_the_c_calls() -> None:
-    assert chunk_io._load is _chunk_calls.load  # built with the package (pyproject.toml)
+def test_chunk_io_uses_the_c_calls() -> None:
+    # built with the package (pyproject.toml)
+    assert (chunk_io._load, chunk_io._store) == (_chunk_calls.load, _chunk_calls.store)
 
 
 @pytest.fixture
@@ -84,44 +87,53 @@ def test_load_into_removes_a_short_file_and_leaves_a_long_one(
     assert not short.exists() and long.exists()
 
 
-def test_a_store_writes_the_temp_file_and_renames_it_over_the_name(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", STORES.values(), ids=STORES.keys())
+def test_a_store_writes_the_temp_file_and_renames_it_over_the_name(
+    store: Store, tmp_path: Path
+) -> None:
     tmp, path = str(tmp_path / "c.bin_1.tmp"), str(tmp_path / "c.bin")
     Path(path).write_bytes(b"old")  # replaced: a chunk's bytes are its name's
-    assert chunk_io._store_calls(tmp, path, b"chunk", CREATE, 0o640) == 5
+    assert store(tmp, path, b"chunk", CREATE, 0o640) == 5
     assert Path(path).read_bytes() == b"chunk" and not os.path.exists(tmp)
     assert os.stat(path).st_mode & 0o777 == 0o640
 
 
-def test_a_store_into_a_missing_directory_makes_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", STORES.values(), ids=STORES.keys())
+def test_a_store_into_a_missing_directory_makes_nothing(store: Store, tmp_path: Path) -> None:
     tmp, path = str(tmp_path / "no" / "c.bin_1.tmp"), str(tmp_path / "no" / "c.bin")
-    assert chunk_io._store_calls(tmp, path, b"chunk", CREATE, 0o644) is None
+    assert store(tmp, path, b"chunk", CREATE, 0o644) is None
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_temp_name_taken_is_left_to_its_owner(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", STORES.values(), ids=STORES.keys())
+def test_a_temp_name_taken_is_left_to_its_owner(store: Store, tmp_path: Path) -> None:
     tmp, path = tmp_path / "c.bin_1.tmp", tmp_path / "c.bin"
     tmp.write_bytes(b"theirs")
     with pytest.raises(FileExistsError) as raised:
-        chunk_io._store_calls(str(tmp), str(path), b"chunk", CREATE, 0o644)
+        store(str(tmp), str(path), b"chunk", CREATE, 0o644)
     assert raised.value.filename == str(tmp)
     assert tmp.read_bytes() == b"theirs" and not path.exists()
 
 
-def test_a_failed_rename_names_both_paths_and_removes_the_temp_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", STORES.values(), ids=STORES.keys())
+def test_a_failed_rename_names_both_paths_and_removes_the_temp_file(
+    store: Store, tmp_path: Path
+) -> None:
     tmp, path = tmp_path / "c.bin_1.tmp", tmp_path / "c.bin"
     (path / "x").mkdir(parents=True)  # a directory that is not empty holds the name
     with pytest.raises(OSError) as raised:
-        chunk_io._store_calls(str(tmp), str(path), b"chunk", CREATE, 0o644)
+        store(str(tmp), str(path), b"chunk", CREATE, 0o644)
     assert (raised.value.filename, raised.value.filename2) == (str(tmp), str(path))
     assert not tmp.exists() and path.is_dir()
 
 
-def test_a_failed_write_removes_the_temp_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", STORES.values(), ids=STORES.keys())
+def test_a_failed_write_removes_the_temp_file(store: Store, tmp_path: Path) -> None:
     if not chunk_io.probe_o_direct(str(tmp_path)):
         pytest.skip(f"{tmp_path} takes no O_DIRECT")
     tmp, path = tmp_path / "c.bin_1.tmp", tmp_path / "c.bin"
     with pytest.raises(OSError) as raised:  # O_DIRECT refuses an unaligned length
-        chunk_io._store_calls(str(tmp), str(path), b"x" * 1000, CREATE | chunk_io.O_DIRECT, 0o644)
+        store(str(tmp), str(path), b"x" * 1000, CREATE | chunk_io.O_DIRECT, 0o644)
     assert raised.value.errno == errno.EINVAL
     assert list(tmp_path.iterdir()) == []
 

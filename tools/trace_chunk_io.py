@@ -1,17 +1,17 @@
-"""Where a conversation sweep's fs tier spends its time: each chunk load, and each system
-call of a store or load made from Python (``kvfs/chunk_io.py``), timed as the calling thread
-sees it.
+"""Where a conversation sweep's fs tier spends its time: each chunk store and load
+(``kvfs/chunk_io.py``), and each of their system calls made from Python, timed as the calling
+thread sees it.
 
     python -m tools.trace_chunk_io [--python-calls] [--raw-opens] -- [bench_conversations args]
 
 A call that blocks lets the GIL go; when it returns, the calling I/O thread waits for the GIL
 behind the engine's other threads. A FUSE round trip is such a call where the plain
 directory's is not, so the same connector pays more for it on a mount than the round trip
-costs. A load is one C call (``kvfs/_chunk_calls.c``, one GIL release); ``--python-calls``
-makes its system calls from Python instead, each timed. ``--raw-opens`` (implies
-``--python-calls``) makes the loads' open() calls through libc without letting the GIL go: the
-system call alone, to set beside what the caller sees (it stalls the other threads meanwhile:
-a diagnosis, not a benchmark).
+costs. A load, and a store's create-write-close-rename, are one C call each
+(``kvfs/_chunk_calls.c``, one GIL release); ``--python-calls`` makes their system calls from
+Python instead, each timed. ``--raw-opens`` (implies ``--python-calls``) makes the loads' open()
+calls through libc without letting the GIL go: the system call alone, to set beside what the
+caller sees (it stalls the other threads meanwhile: a diagnosis, not a benchmark).
 
 At exit it prints, per call, count, median, p90, p99, mean and total seconds (all threads).
 """
@@ -67,10 +67,11 @@ class CallTimes:
 
 def instrument(times: CallTimes, python_calls: bool = False, raw_opens: bool = False) -> None:
     """Replace chunk_io's ``os`` with one whose calls are timed (only chunk_io sees it), and
-    time each load whole."""
+    time each load and store whole."""
     if python_calls or raw_opens:
-        chunk_io._load = chunk_io._load_calls
+        chunk_io._load, chunk_io._store = chunk_io._load_calls, chunk_io._store_calls
     chunk_io._load = times.timed("load (whole)", chunk_io._load)
+    chunk_io._store = times.timed("store (whole)", chunk_io._store)
     traced = types.SimpleNamespace(**{k: getattr(os, k) for k in dir(os) if not k.startswith("__")})
     traced.path = types.SimpleNamespace(
         **{k: getattr(os.path, k) for k in dir(os.path) if not k.startswith("__")}
