@@ -53,8 +53,9 @@ class _GroupPlan:
     writes: Callable[[int], bool]  # does this rank write chunk slot s (replicated bytes)
     local_page_bytes: int
     num_blocks: int
-    page_offsets: list[list[int]]  # [layer][block] -> offset in the chunk
-    rank_part: Callable[[torch.Tensor], torch.Tensor]  # a page -> this rank's part, like canon
+    # per layer: this rank's part of that layer's pages in every host slot, a view of the host
+    # region (num_slots, blocks per chunk, *local page), in canon's words
+    host_pages: list[torch.Tensor]
     gaps: list[tuple[int, int]]  # chunk byte ranges the group does not use (zeroed on store)
 
 
@@ -222,6 +223,8 @@ class TransferEngine:
         # Staging batches a job into a few large DMA copies; on CPU tensors, where device and
         # host memory are one, each page is copied straight to its place instead.
         self.staged = self.device.type != "cpu" if staged is None else staged
+        if not self.staged and self.device.type != "cpu":
+            raise GeometryError("copies without staging need the KV cache in CPU memory")
         self._plans = [
             self._plan(layout, g, kv_caches, layout.kv_layout)
             for g in range(len(layout.geometry.groups))
@@ -247,19 +250,25 @@ class TransferEngine:
         word = canon[0].dtype
         inner = canon[0].shape[-1]
 
-        def rank_part(page: torch.Tensor) -> torch.Tensor:
-            words = page.view(word)
+        bpc = layout.blocks_per_chunk
+
+        def host_pages(layer: int) -> torch.Tensor:
+            first = layout.page_offset(group, layer, 0)
+            pages = self.host[:, first : first + bpc * spec.page_bytes]
+            pages = pages.unflatten(1, (bpc, spec.page_bytes))
             if spec.kind.is_attention:
+                words = pages.view(word)
                 heads = slice(share.first_head, share.first_head + share.local_heads)
                 if order == "HND":
-                    return words.view(spec.num_kv_heads, spec.tokens_per_block, inner)[heads]
-                return words.view(spec.tokens_per_block, spec.num_kv_heads, inner)[:, heads]
+                    shape = (spec.num_kv_heads, spec.tokens_per_block, inner)
+                    return words.unflatten(-1, shape)[:, :, heads]
+                shape = (spec.tokens_per_block, spec.num_kv_heads, inner)
+                return words.unflatten(-1, shape)[:, :, :, heads]
             if spec.kind is LayerKind.MLA:
-                return words.view(spec.tokens_per_block, inner)
+                return pages.view(word).unflatten(-1, (spec.tokens_per_block, inner))
             run = share.runs[0]
-            return page[run.page_offset : run.page_offset + run.length].view(word)
+            return pages[..., run.page_offset : run.page_offset + run.length].view(word)
 
-        bpc = layout.blocks_per_chunk
         edges = [0, *(x for r in layout.used_ranges(group) for x in r), layout.chunk_bytes]
         gaps = [(a, b) for a, b in zip(edges[::2], edges[1::2], strict=True) if a < b]
         return _GroupPlan(
@@ -269,10 +278,7 @@ class TransferEngine:
             writes=share.writes,
             local_page_bytes=share.local_page_bytes,
             num_blocks=blocks.pop(),
-            page_offsets=[
-                [layout.page_offset(group, i, b) for b in range(bpc)] for i in range(len(canon))
-            ],
-            rank_part=rank_part,
+            host_pages=[host_pages(layer) for layer in range(len(canon))],
             gaps=gaps,
         )
 
@@ -292,8 +298,12 @@ class TransferEngine:
         writing = sum(1 for s in slots if plan.writes(s))
 
         def direct() -> None:
-            pages, parts = self._direct_pairs(plan, slots, idx, only_written=True)
-            _copy_all(parts, pages)
+            written = [c for c, s in enumerate(slots) if plan.writes(s)]
+            if written:
+                chosen = torch.tensor(written)
+                blocks = idx.view(len(slots), -1).index_select(0, chosen).flatten()
+                rows = torch.tensor([slots[c] for c in written])
+                self._direct_copy(plan, rows, blocks, to_host=True)
 
         def work() -> None:
             index = idx.to(self.device, non_blocking=True)
@@ -318,8 +328,7 @@ class TransferEngine:
         lane = self._loads
 
         def direct() -> None:
-            pages, parts = self._direct_pairs(plan, slots, idx, only_written=False)
-            _copy_all(pages, parts)
+            self._direct_copy(plan, torch.tensor(slots), idx, to_host=False)
 
         def work() -> None:
             index = idx.to(self.device, non_blocking=True)
@@ -335,23 +344,19 @@ class TransferEngine:
         moved = len(slots) * sum(run.length for run in plan.runs)
         self._start(job_id, moved, lane, work if self.staged else direct, [idx])
 
-    def _direct_pairs(
-        self, plan: _GroupPlan, slots: list[int], idx: torch.Tensor, only_written: bool
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(device block pages, their parts of the host pages), one pair per (chunk, layer,
-        block): views that a copy moves between in one pass."""
-        blocks, bpc = idx.tolist(), self.layout.blocks_per_chunk
-        pages, parts = [], []
-        size = plan.spec.page_bytes
-        for c, slot in enumerate(slots):
-            if only_written and not plan.writes(slot):
-                continue
-            row = self.host[slot]
-            for canon, offsets in zip(plan.canon, plan.page_offsets, strict=True):
-                for b, offset in enumerate(offsets):
-                    pages.append(canon[blocks[c * bpc + b]])
-                    parts.append(plan.rank_part(row[offset : offset + size]))
-        return pages, parts
+    @staticmethod
+    def _direct_copy(
+        plan: _GroupPlan, rows: torch.Tensor, blocks: torch.Tensor, to_host: bool
+    ) -> None:
+        """Chunks between device blocks and host slots ``rows`` (``blocks``: each chunk's in
+        turn) where both are in CPU memory: one indexed copy per layer and direction, its
+        pages gathered into a scratch tensor first (Python builds no view per page)."""
+        for canon, host in zip(plan.canon, plan.host_pages, strict=True):
+            if to_host:
+                pages = canon.index_select(0, blocks).unflatten(0, (len(rows), -1))
+                host.index_copy_(0, rows, pages)
+            else:
+                canon.index_copy_(0, blocks, host.index_select(0, rows).flatten(0, 1))
 
     def _batches(
         self, lane: _Lane, plan: _GroupPlan, slots: list[int], index: torch.Tensor
