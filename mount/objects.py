@@ -628,9 +628,9 @@ class Objects:
     def rename_now(
         self, old_parent: Node, old_name: bytes, new_parent: Node, new_name: bytes, noreplace: bool
     ) -> None:
-        """``rename`` from memory of a file not published yet to a free name (an engine renames
-        its temp file as it closes it): only the index changes, and the publish places the
-        file under its new name. NeedsIO for any other."""
+        """``rename`` from memory of a file not published yet to a free name, written since its
+        last close: only the index changes, and its last release publishes it under the new
+        name. NeedsIO for any other (a closed one: ``rename`` publishes it)."""
         if self._ns.locked() or self.share is not None:
             raise NeedsIO()
         node, target = self._renaming(old_parent, old_name, new_parent, new_name, noreplace)
