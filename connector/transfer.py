@@ -249,23 +249,20 @@ class TransferEngine:
             raise GeometryError(f"the {spec.kind.value} layers have different block counts")
         word = canon[0].dtype
         inner = canon[0].shape[-1]
-
         bpc = layout.blocks_per_chunk
 
         def host_pages(layer: int) -> torch.Tensor:
             first = layout.page_offset(group, layer, 0)
-            pages = self.host[:, first : first + bpc * spec.page_bytes]
-            pages = pages.unflatten(1, (bpc, spec.page_bytes))
+            slots = self.host.shape[0]
+            pages = self.host[:, first : first + bpc * spec.page_bytes].view(slots, bpc, -1)
             if spec.kind.is_attention:
-                words = pages.view(word)
                 heads = slice(share.first_head, share.first_head + share.local_heads)
+                tokens, kv_heads = spec.tokens_per_block, spec.num_kv_heads
                 if order == "HND":
-                    shape = (spec.num_kv_heads, spec.tokens_per_block, inner)
-                    return words.unflatten(-1, shape)[:, :, heads]
-                shape = (spec.tokens_per_block, spec.num_kv_heads, inner)
-                return words.unflatten(-1, shape)[:, :, :, heads]
+                    return pages.view(word).view(slots, bpc, kv_heads, tokens, inner)[:, :, heads]
+                return pages.view(word).view(slots, bpc, tokens, kv_heads, inner)[:, :, :, heads]
             if spec.kind is LayerKind.MLA:
-                return pages.view(word).unflatten(-1, (spec.tokens_per_block, inner))
+                return pages.view(word).view(slots, bpc, spec.tokens_per_block, inner)
             run = share.runs[0]
             return pages[..., run.page_offset : run.page_offset + run.length].view(word)
 
