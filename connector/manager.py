@@ -203,8 +203,10 @@ class TieringManager:
         chasing itself. Load the hits before the next lookup of another request: that one's
         promotions may evict them."""
         hits, retry = 0, False
-        for index, key in enumerate(keys):
-            answer = self.lookup(key, request_id, keys[:index])
+        before: set[bytes] = set()  # the chunks before this one: its promotion keeps them
+        for key in keys:
+            answer = self.lookup(key, request_id, before)
+            before.add(key)
             if answer is LookupResult.MISS:
                 break
             if answer is LookupResult.HIT and not retry:

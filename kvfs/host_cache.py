@@ -99,10 +99,12 @@ class HostCache:
         until ``complete_write``; None, with nothing changed, if they do not all fit.
         Chunks in ``keep`` are not evicted for them (a lookup's hits, about to be loaded)."""
         wanted = list(dict.fromkeys(k for k in keys if k not in self._entries))
-        kept = sum(1 for k in set(keep) if (e := self._entries.get(k)) and e.ready and not e.pins)
-        evictable = len(self._entries) - self._busy - kept
         shortfall = len(wanted) - len(self._free)
-        if shortfall > evictable:
+        # What ``keep`` holds back is counted only where it could decide (a prefix lookup
+        # asks this per chunk with every chunk before it kept: the scheduler's GIL time).
+        if shortfall > len(self._entries) - self._busy - len(keep) and shortfall > (
+            len(self._entries) - self._busy - self._evictable_among(keep)
+        ):
             return None
         exempt = (lambda k: self._is_busy(k) or k in keep) if keep else self._is_busy
         evicted = [self._evict_one(exempt) for _ in range(max(0, shortfall))]
@@ -115,6 +117,14 @@ class HostCache:
         if evicted:
             self._events.append(CacheEvent(tuple(evicted), removed=True))
         return Allocation(slots, evicted)
+
+    def _evictable_among(self, keys: Collection[bytes]) -> int:
+        """How many of ``keys`` are ready, unpinned chunks here (eviction could take them)."""
+        return sum(
+            1
+            for k in set(keys)
+            if (e := self._entries.get(k)) is not None and e.ready and not e.pins
+        )
 
     def complete_write(self, keys: Iterable[bytes], success: bool = True) -> None:
         """The slots of ``keys`` hold their chunks (or, on failure, are freed)."""
