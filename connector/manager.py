@@ -133,6 +133,7 @@ class TieringManager:
         self._to_promote: dict[tuple[int, str], list[tuple[bytes, int]]] = {}
         self._source: OrderedDict[bytes, int] = OrderedDict()  # promoted, not loaded yet
         self._asking: dict[tuple[int, bytes], float] = {}  # (tier, key) -> first RETRY
+        self._next_prune = 0.0  # when _asking next drops what nobody asked again
         self._failed: OrderedDict[tuple[int, bytes], float] = OrderedDict()  # -> skip until
         self._pending_stores = [0] * len(self.tiers)
         self._events: list[ConnectorEvent] = []
@@ -295,8 +296,11 @@ class TieringManager:
         for tier in self.tiers:
             tier.serve_peers(self._host_access)
             tier.on_schedule_end()
-        stale = time.monotonic() - 4 * self.config.lookup_timeout_s
-        self._asking = {k: t for k, t in self._asking.items() if t > stale}
+        now = time.monotonic()
+        if now >= self._next_prune:  # not every step: it holds the GIL the I/O threads want
+            self._next_prune = now + self.config.lookup_timeout_s
+            stale = now - 4 * self.config.lookup_timeout_s
+            self._asking = {k: t for k, t in self._asking.items() if t > stale}
         if self._publisher is not None:
             self._publish()
 
