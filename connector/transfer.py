@@ -9,8 +9,9 @@ unused. A load runs the same steps backwards.
 With CUDA the copies go on two dedicated streams (stores, loads), ordered after the work
 already queued on the caller's stream by an event, and each job records an event at its end:
 submitting never waits for the device, and ``get_finished`` only queries events. The host
-region must be pinned (``host_memory.pin``) for the copies to be DMA. Without CUDA the same
-steps run on CPU tensors in one worker thread per direction.
+region must be pinned (``host_memory.pin``) for the copies to be DMA. Without CUDA, in one
+worker thread per direction, each layer's pages go between the blocks and the host slots in
+one indexed copy, without staging (``_direct_copy``).
 
 Contract with the caller (vLLM's worker contract): submit on the stream that wrote the blocks
 (the copies are ordered after what it has queued); a stored job's device blocks stay untouched
@@ -221,7 +222,7 @@ class TransferEngine:
         self.tp_size, self.rank = layout.tp_size, rank
         self._scratch_bytes = scratch_bytes  # staging per lane: jobs go in pieces this big
         # Staging batches a job into a few large DMA copies; on CPU tensors, where device and
-        # host memory are one, each page is copied straight to its place instead.
+        # host memory are one, each layer's pages are copied straight to their places instead.
         self.staged = self.device.type != "cpu" if staged is None else staged
         if not self.staged and self.device.type != "cpu":
             raise GeometryError("copies without staging need the KV cache in CPU memory")
