@@ -1038,7 +1038,7 @@ class Objects:
             try:
                 if ws.writers == 1:
                     await self._publish(node, ws)
-                    if ws.published_as not in (None, self._version(ws)[:2]):
+                    if ws.published_as is not None and ws.published_as != self._version(ws)[:2]:
                         await self._quarantine(node, "written after its rename published it")
             finally:
                 gone = self.drop_writer(node)

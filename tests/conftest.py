@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfs import mountctl
+from kvfs import config, mountctl
 
 KVFS = [sys.executable, "-m", "kvfs.cli"]
 
@@ -41,13 +41,19 @@ class Mount:
 
     def stop(self) -> None:
         """Unmount, however the daemon is doing (alive, dead, supervised); never leaves a mount
-        behind, the read-only guard included."""
+        behind, the read-only guard included. Then fail if the daemon logged a traceback: a
+        bug it answered with EIO, which a test may not see otherwise."""
         path = str(self.path)
         busy = mountctl.mount_stack(path) or mountctl.supervisors(path)
         if busy and kvfs("umount", path, check=False).returncode != 0:
             force_unmount(self.path)
         if self.pid:
             wait_gone(self.pid)
+        log = config.daemon_log(self.path)
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if "Traceback" in text:
+            first = text.index("Traceback")
+            raise AssertionError(f"the daemon logged a traceback ({log}):\n{text[first:][:3000]}")
 
     def settle(self, timeout: float = 10, sealed: bool = True) -> None:
         """Wait until every file written through the mount is published (each is, at its
