@@ -55,7 +55,7 @@ class _GroupPlan:
     local_page_bytes: int
     num_blocks: int
     # per layer: this rank's part of that layer's pages in every host slot, a view of the host
-    # region (num_slots, blocks per chunk, *local page), in canon's words
+    # region (num_slots, blocks per chunk, *local page), in canon's words; empty when staged
     host_pages: list[torch.Tensor]
     gaps: list[tuple[int, int]]  # chunk byte ranges the group does not use (zeroed on store)
 
@@ -276,7 +276,8 @@ class TransferEngine:
             writes=share.writes,
             local_page_bytes=share.local_page_bytes,
             num_blocks=blocks.pop(),
-            host_pages=[host_pages(layer) for layer in range(len(canon))],
+            # (staged copies never view the host region so: it need not be word-aligned)
+            host_pages=[] if self.staged else [host_pages(layer) for layer in range(len(canon))],
             gaps=gaps,
         )
 
