@@ -100,11 +100,10 @@ class HostCache:
         Chunks in ``keep`` are not evicted for them (a lookup's hits, about to be loaded)."""
         wanted = list(dict.fromkeys(k for k in keys if k not in self._entries))
         shortfall = len(wanted) - len(self._free)
-        # What ``keep`` holds back is counted only where it could decide (a prefix lookup
-        # asks this per chunk with every chunk before it kept: the scheduler's GIL time).
-        if shortfall > len(self._entries) - self._busy - len(keep) and shortfall > (
-            len(self._entries) - self._busy - self._evictable_among(keep)
-        ):
+        evictable = len(self._entries) - self._busy  # before what ``keep`` holds back
+        # ``keep`` is counted only where it could decide: a prefix lookup asks this per chunk
+        # with every chunk before it kept (the scheduler's GIL time).
+        if shortfall > evictable - len(keep) and shortfall > evictable - self._kept(keep):
             return None
         exempt = (lambda k: self._is_busy(k) or k in keep) if keep else self._is_busy
         evicted = [self._evict_one(exempt) for _ in range(max(0, shortfall))]
@@ -118,7 +117,7 @@ class HostCache:
             self._events.append(CacheEvent(tuple(evicted), removed=True))
         return Allocation(slots, evicted)
 
-    def _evictable_among(self, keys: Collection[bytes]) -> int:
+    def _kept(self, keys: Collection[bytes]) -> int:
         """How many of ``keys`` are ready, unpinned chunks here (eviction could take them)."""
         return sum(
             1
