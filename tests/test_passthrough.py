@@ -17,6 +17,7 @@ import pytest
 
 from kvfs import checksum
 from kvfs.mount.objects import SPARE_TMPS
+from kvfs.mount.scrub import FILE_COST
 from tests import vllm_tier
 from tests.conftest import Mount, make_mount, small_filesystem
 from tests.test_integrity import flip_byte
@@ -230,6 +231,27 @@ def test_a_passthrough_file_beyond_the_capacity_fails_at_close_and_publishes_not
         assert not os.listdir(mount.backing / ".kvfs" / "tmp")
         (mount.path / "fits").write_bytes(b"x" * (3 << 20))
         assert mount.on_backing(mount.path / "fits").stat().st_size == 3 << 20
+    finally:
+        mount.stop()
+
+
+def test_the_scrub_charges_every_file_a_minimum_so_small_files_never_keep_it_busy(
+    tmp_path: Path,
+) -> None:
+    """The scrub's rate bounds its cost per file too: a tree of small files is checked at most
+    rate / FILE_COST files a second, not pass after pass as fast as the rate in bytes allows."""
+    mount = make_mount(tmp_path, "--session", "kernel", "--verify", "first-read")
+    rate = 4 << 20
+    mount.options += ("--scrub-rate", str(rate))
+    started = time.monotonic()
+    mount.start()
+    try:
+        for key in range(100):
+            vllm_io.store(vllm_io.chunk_path(str(mount.path), key), b"x" * 4096)
+        time.sleep(1.5)
+        usage = json.loads((mount.path / ".kvfs" / "usage.json").read_bytes())
+        limit = (time.monotonic() - started) * rate / FILE_COST + 1
+        assert 1 <= usage["scrub"]["files"] <= limit, (usage["scrub"], limit)
     finally:
         mount.stop()
 
