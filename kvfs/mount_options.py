@@ -134,7 +134,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "scrub-rate",
         "bytes per second the background scrub re-reads and checks, with K/M/G (0 turns it "
-        "off); it quarantines what fails its checksum",
+        "off; a file counts as 256 KiB at least); it quarantines what fails its checksum",
         field="scrub_bytes_per_second",
         parse=parse_size,
         show=format_size,
