@@ -247,7 +247,9 @@ def main() -> int:
         for repeat in range(args.repeats):
             for size_mib in SIZES_MIB:
                 for threads in THREADS:
-                    for t in targets:
+                    # each repeat the other way round: what one target leaves behind (the
+                    # disk's discards of its cleared files, a read-back) lands on each in turn
+                    for t in targets if repeat % 2 == 0 else targets[::-1]:
                         seed = hash((repeat, size_mib, threads)) % 1000
                         row = measure_data(
                             t, size_mib << 20, threads, args.total_mib << 20, modes[t.name], seed
