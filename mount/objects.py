@@ -60,6 +60,10 @@ RECENCY_PERSIST_SECONDS = 1.0
 # Temp files opened ahead for passthrough creates: a create then waits on no I/O. Refilled
 # half at a time, in one trip to the I/O pool. Crash-safe: the next mount empties .kvfs/spare.
 SPARE_TMPS = 8
+# A passthrough file written O_DIRECT smaller than this is checksummed at its publish, not left
+# to the sealer: reading it back costs the disk little, and the sealer's later open, read and
+# lock cost the event loop more than the publish's read does (4 KiB stores: ~25% less daemon CPU).
+CHECKSUM_LATER_MIN = 256 << 10
 
 Attrs = tuple[int, int, int, tuple[int, int]]  # mode, uid, gid, (atime, mtime)
 
@@ -1127,8 +1131,9 @@ class Objects:
 
     def _checksum_later(self, ws: WriteState, size: int) -> bool:
         """Whether a passthrough file's publish leaves its checksum to the sealer: written past
-        the page cache (a read-back would cost the disk a second trip), and room in its backlog."""
-        return ws.direct and size > 0 and self.sealer.admits(size)
+        the page cache (a read-back would cost the disk a second trip), not small, and room in
+        its backlog."""
+        return ws.direct and size >= CHECKSUM_LATER_MIN and self.sealer.admits(size)
 
     @staticmethod
     def _version(ws: WriteState) -> Any:
@@ -1656,16 +1661,21 @@ class Objects:
         if not node.attached or not node.on_backing or node.ino in self.writes:
             return None
         reader = await self._open_backing(node)
-        try:
-            digest, size = await self.io.read(self.store.recheck, reader.fd, reader.checksum)
-        finally:
-            self.close_later(reader.fd)
+        digest, size = await self.io.read(self._recheck_and_close, reader)
         if reader.checksum is not None and digest != reader.checksum:
             if node.checksum == reader.checksum:  # the version the tree serves is bad
                 await self._quarantine(node, f"scrub: checksum {digest} != {reader.checksum}")
             return size, False
         self._checked(node, reader.checksum, digest)
         return size, True
+
+    def _recheck_and_close(self, reader: Reader) -> tuple[str, int]:
+        """On the pool: ``store.recheck``, then the fd closed in the same trip (the scrub and
+        the sealer check thousands of small files: a trip each is what they cost)."""
+        try:
+            return self.store.recheck(reader.fd, reader.checksum)
+        finally:
+            os.close(reader.fd)
 
     # -- removal ----------------------------------------------------------------------------
 

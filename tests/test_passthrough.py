@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvfs import checksum
-from kvfs.mount.objects import SPARE_TMPS
+from kvfs.mount.objects import CHECKSUM_LATER_MIN, SPARE_TMPS
 from kvfs.mount.scrub import FILE_COST
 from tests import vllm_tier
 from tests.conftest import Mount, make_mount, small_filesystem
@@ -118,18 +118,19 @@ def checksum_backlog(mount: Mount) -> dict[str, int]:
 
 
 @pytest.mark.parametrize(
-    ("backlog", "deferred"),
-    [(None, 1), ("0", 0), ("1M", 0)],
-    ids=["after_the_publish", "at_the_publish", "beyond_the_backlog"],
+    ("backlog", "size", "deferred"),
+    [(None, 2 << 20, 1), ("0", 2 << 20, 0), ("1M", 2 << 20, 0), (None, 4096, 0)],
+    ids=["after_the_publish", "at_the_publish", "beyond_the_backlog", "small_at_the_publish"],
 )
 def test_a_file_written_with_o_direct_is_checksummed_as_the_disk_holds_it(
-    tmp_path: Path, backlog: str | None, deferred: int
+    tmp_path: Path, backlog: str | None, size: int, deferred: int
 ) -> None:
     """An O_DIRECT writer's bytes skip the page cache (the kernel opens the backing file with
     the writer's flags), so they are read back O_DIRECT to be checksummed: by the sealer after
-    the publish (the default), or by the publish itself (``--checksum-backlog 0``, or a file
-    larger than the backlog). A second, buffered writer's tail, still dirty in the page cache
-    then, is in the checksum too."""
+    the publish (the default), or by the publish itself (``--checksum-backlog 0``, a file
+    larger than the backlog, or one smaller than CHECKSUM_LATER_MIN). A second, buffered
+    writer's tail, still dirty in the page cache then, is in the checksum too."""
+    assert (size < CHECKSUM_LATER_MIN) == (size == 4096)
     options = ("--session", "kernel", "--verify", "first-read", "--scrub-rate", "0")
     mount = make_mount(tmp_path, *options)
     if backlog is not None:
@@ -137,7 +138,7 @@ def test_a_file_written_with_o_direct_is_checksummed_as_the_disk_holds_it(
     mount.start()
     try:
         path = mount.path / "direct"
-        head, tail = vllm_io.chunk(7, 2 << 20), os.urandom(1000)
+        head, tail = vllm_io.chunk(7, size), os.urandom(1000)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT, 0o644)
         try:
             assert os.write(fd, head) == len(head)
