@@ -511,7 +511,8 @@ def main() -> int:
         help="seconds to wait after a sync before a configuration with an fs tier, so that "
         "the files deleted before it do not slow its creates (default: %(default)s)",
     )
-    parser.add_argument("--plot", default="docs/bench_conversations.png", help="PNG ('' for none)")
+    # (no default file: a run of a few pools must not overwrite the whole sweep's plot)
+    parser.add_argument("--plot", default="", help="PNG of the results ('' for none)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--replot", type=Path, help="summarise and plot a --json output again")
     args = parser.parse_args()
@@ -540,7 +541,8 @@ def main() -> int:
     else:
         print(f"\nprofile: {profile.name}: {profile.source}")
         print(f"past the host knee ({knee} conversations): {ratios}")
-        print(f"plot: {args.plot}")
+        if args.plot:
+            print(f"plot: {args.plot}")
     return 0
 
 
