@@ -4,9 +4,10 @@ A chunk vLLM writes O_DIRECT through a passthrough open goes from the engine's m
 to the disk: neither the page cache nor the daemon sees its bytes, so its checksum must read
 them back from the disk, a second trip of every byte. Taken at the publish, that trip competes
 with the engine's next writes for the same device (about half the plain directory's store
-throughput on one disk: docs/benchmarks.md). So such a file is published without a checksum,
-trusted meanwhile as this daemon's own write (as a checksummed one is until the scrub), and the
-sealer reads it back once the writers pause for QUIET_SECONDS, or once it has waited
+throughput on one disk: docs/benchmarks.md). So such a file (256 KiB or more:
+``objects.CHECKSUM_LATER_MIN``) is published without a checksum, trusted meanwhile as this
+daemon's own write (as a checksummed one is until the scrub), and the sealer reads it back
+once the writers pause for QUIET_SECONDS, or once it has waited
 MAX_WAIT_SECONDS whatever they do. At most ``--checksum-backlog`` bytes wait (give or take the
 publishes under way when it is checked: each is admitted alone): past that a publish reads its
 file back itself (as every publish does with 0, and every publish of a file
