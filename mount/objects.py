@@ -62,7 +62,8 @@ RECENCY_PERSIST_SECONDS = 1.0
 SPARE_TMPS = 8
 # A passthrough file written O_DIRECT smaller than this is checksummed at its publish, not left
 # to the sealer: reading it back costs the disk little, and the sealer's later open, read and
-# lock cost the event loop more than the publish's read does (4 KiB stores: ~25% less daemon CPU).
+# lock cost the event loop more than the publish's read does (4 KiB stores: ~8 % less daemon
+# CPU in all, the sealer's work after them down from ~0.4 to ~0.05 ms a store).
 CHECKSUM_LATER_MIN = 256 << 10
 
 Attrs = tuple[int, int, int, tuple[int, int]]  # mode, uid, gid, (atime, mtime)

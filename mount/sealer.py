@@ -7,11 +7,11 @@ with the engine's next writes for the same device (about half the plain director
 throughput on one disk: docs/benchmarks.md). So such a file (256 KiB or more:
 ``objects.CHECKSUM_LATER_MIN``) is published without a checksum, trusted meanwhile as this
 daemon's own write (as a checksummed one is until the scrub), and the sealer reads it back
-once the writers pause for QUIET_SECONDS, or once it has waited
-MAX_WAIT_SECONDS whatever they do. At most ``--checksum-backlog`` bytes wait (give or take the
-publishes under way when it is checked: each is admitted alone): past that a publish reads its
-file back itself (as every publish does with 0, and every publish of a file
-written through the page cache, where the read-back costs no disk).
+once the writers pause for QUIET_SECONDS, or once it has waited MAX_WAIT_SECONDS whatever they
+do. At most ``--checksum-backlog`` bytes wait (give or take the publishes under way when it is
+checked: each is admitted alone): past that a publish reads its file back itself (as every
+publish does with 0, and every publish of a file written through the page cache, where the
+read-back costs no disk).
 
 What waiting costs: bytes that change on the disk between the publish and the seal are sealed
 as they are then (as a file written around the mount is adopted at its first read); a daemon
