@@ -627,6 +627,12 @@ class Objects:
                         self.listener.content_changed(node)
                 elif node.on_backing:
                     self.listener.stored(node)
+                publishing = self._being_published(node)
+            if publishing is not None:
+                # Its last release is publishing it (RELEASE came first): it places the file
+                # under the name just given, and the rename returns once it is there.
+                async with publishing.lock:
+                    pass
 
         await self.bounded(op)
 
@@ -643,6 +649,8 @@ class Objects:
             raise NeedsIO()
         if self._closed_write(node) is not None:  # the rename publishes it (``rename``)
             raise NeedsIO()
+        if self._being_published(node) is not None:  # the rename waits for it (``rename``)
+            raise NeedsIO()
         self.index.move(old_parent, old_name, new_parent, new_name)
 
     def _renames_in_memory(self, node: Node, target: Node | None, new_parent: Node) -> bool:
@@ -653,6 +661,13 @@ class Objects:
         if not (node.attached and new_parent.attached):
             raise fail(errno.ENOENT)
         return True
+
+    def _being_published(self, node: Node) -> WriteState | None:
+        """The write state of a file not published yet whose lock is held: its last release
+        may be publishing it (its FLUSH's bytes taken, the seal under way) under the name the
+        index gives it when it places it."""
+        ws = self.writes.get(node.ino)
+        return ws if ws is not None and not node.on_backing and ws.lock.locked() else None
 
     def _closed_write(self, node: Node) -> WriteState | None:
         """The write state of a file whose writer closed it (FLUSH) and wrote nothing since,
