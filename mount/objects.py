@@ -647,9 +647,8 @@ class Objects:
         node, target = self._renaming(old_parent, old_name, new_parent, new_name, noreplace)
         if not self._renames_in_memory(node, target, new_parent):
             raise NeedsIO()
-        if self._closed_write(node) is not None:  # the rename publishes it (``rename``)
-            raise NeedsIO()
-        if self._being_published(node) is not None:  # the rename waits for it (``rename``)
+        # ``rename`` publishes a closed one, and waits for a publish its release began
+        if self._closed_write(node) is not None or self._being_published(node) is not None:
             raise NeedsIO()
         self.index.move(old_parent, old_name, new_parent, new_name)
 
