@@ -370,3 +370,32 @@ def test_a_file_renamed_by_its_writer_before_its_close_is_published_under_the_ne
     assert sorted(os.listdir(passthrough_mount.backing)) == [".kvfs", "k"]
     with pytest.raises(FileExistsError):
         os.open(final, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+
+
+def test_a_rename_while_the_release_publishes_returns_once_the_chunk_is_in_place(
+    tmp_path: Path,
+) -> None:
+    """The engine's store closes its temp file and renames it. The kernel sends the RELEASE at
+    the close, so it usually reaches the daemon first; its publish then seals the temp file
+    (here a long O_DIRECT read-back for the checksum) without the namespace lock. A rename
+    arriving meanwhile must wait for the file to be placed under the new name: once it has
+    returned, the chunk is on the backing store and a kill -9 of the daemon loses nothing."""
+    options = ("--session", "kernel", "--verify", "first-read", "--scrub-rate", "0")
+    mount = make_mount(tmp_path, *options, "--checksum-backlog", "0")
+    mount.start()
+    try:
+        size = 64 << 20  # its read-back takes far longer than the RENAME takes to follow
+        tmp, final = mount.path / "c.tmp", mount.path / "c"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT, 0o644)
+        try:
+            assert os.write(fd, vllm_io.chunk(9, size)) == size
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+        assert (mount.backing / "c").stat().st_size == size  # no settle(): as it returned
+        mount.kill()
+        mount.start()
+        assert vllm_io.load(str(final), size) == vllm_io.chunk_bytes(9, size)
+        assert not tmp.exists()
+    finally:
+        mount.stop()
