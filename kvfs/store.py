@@ -334,27 +334,39 @@ class BackingStore:
         (size, mtime, ctime after sealing: any later write changes it). ``direct``: it was
         written past the page cache (O_DIRECT), so it is read back that way, not faulted in
         page by page; ``with_checksum=False`` leaves that to later (no xattr, checksum None).
-        None, touching nothing, if its version is no longer ``unchanged_since``."""
+        None, touching nothing, if its version is no longer ``unchanged_since``; None too (or,
+        unchecked, the version before the checksum, which the next check finds stale) if a
+        writer still holding it wrote meanwhile: the times are set first, so such a write
+        moves the mtime (timestamps after a stat are fine-grained) and is never lost in the
+        utimens."""
         if unchanged_since is not None and self.version(fd) != unchanged_since:
             return None
+        _give_attrs(fd, mode, uid, gid, times_ns)
+        before = os.fstat(fd)
         digest: str | None = None
-        if not with_checksum:
-            size = os.fstat(fd).st_size
-        elif direct and self.direct_io:
+        size = before.st_size
+        if with_checksum and direct and self.direct_io:
             reader = os.open(self.abs(rel), os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
             try:
                 digest, size = checksum.of_file_direct(reader)
             finally:
                 os.close(reader)
-        else:
+        elif with_checksum:
             digest, size = checksum.of_file(fd)
-        blocks = self._finish(fd, digest, mode, uid, gid, times_ns, durable)
-        return Published(rel, size, blocks, digest), self.version(fd)
+        if digest is not None:
+            self._keep_checksum(fd, digest)
+        if durable:
+            os.fsync(fd)
+        after = os.fstat(fd)
+        if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+            if unchanged_since is not None:
+                return None
+            return Published(rel, size, after.st_blocks, digest), _version_of(before)
+        return Published(rel, size, after.st_blocks, digest), _version_of(after)
 
     @staticmethod
     def version(fd: int) -> tuple[int, int, int]:
-        st = os.fstat(fd)
-        return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+        return _version_of(os.fstat(fd))
 
     def _finish(
         self,
@@ -370,10 +382,7 @@ class BackingStore:
         blocks."""
         if digest is not None:
             self._keep_checksum(fd, digest)
-        os.fchmod(fd, mode & 0o7777)
-        if (uid, gid) != (os.geteuid(), os.getegid()):
-            os.fchown(fd, uid, gid)
-        os.utime(fd, ns=times_ns)
+        _give_attrs(fd, mode, uid, gid, times_ns)
         if durable:
             os.fsync(fd)
         return os.fstat(fd).st_blocks
@@ -613,6 +622,17 @@ class BackingStore:
 
     def statvfs(self) -> os.statvfs_result:
         return os.statvfs(self.root)
+
+
+def _give_attrs(fd: int, mode: int, uid: int, gid: int, times_ns: tuple[int, int]) -> None:
+    os.fchmod(fd, mode & 0o7777)
+    if (uid, gid) != (os.geteuid(), os.getegid()):
+        os.fchown(fd, uid, gid)
+    os.utime(fd, ns=times_ns)
+
+
+def _version_of(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def fill_times(node: Node, st: os.stat_result) -> None:

@@ -296,3 +296,40 @@ def test_a_file_that_cannot_be_mapped_is_checksummed_by_reading() -> None:
         assert checksum.of_file(fd) == (checksum.checksum(data), len(data))
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["at_the_publish", "at_an_fsync"])
+def test_a_write_during_a_seal_is_never_hidden_behind_its_checksum(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checked: bool
+) -> None:
+    """A passthrough file is sealed (checksum, mode, times) while its writer may still hold a
+    descriptor. A write that lands while the checksum is taken must not vanish behind the
+    utimens of the seal: the seal then returns nothing (checked against the version its
+    close left) or a version the file no longer has, so the publish seals it again."""
+    store = BackingStore(os.fsencode(tmp_path))
+    store.prepare()
+    rel, fd = store.open_tmp(0o600)
+    os.pwrite(fd, b"a" * 8192, 0)
+    writer = os.open(store.abs(rel), os.O_WRONLY)
+    taking = checksum.of_file
+
+    def of_file_as_the_writer_writes(reading: int) -> tuple[str, int]:
+        taken = taking(reading)
+        os.pwrite(writer, b"b", 0)  # the writer's dup, between the checksum and the times
+        return taken
+
+    monkeypatch.setattr(checksum, "of_file", of_file_as_the_writer_writes)
+    try:
+        unchanged = store.version(fd) if checked else None
+        times = (1_000_000_000, 2_000_000_000)
+        sealed = store.seal_tmp(
+            rel, fd, 0o644, os.geteuid(), os.getegid(), times, not checked, False, unchanged
+        )
+        if checked:
+            assert sealed is None
+        else:
+            assert sealed is not None and sealed[1] != store.version(fd)
+    finally:
+        os.close(writer)
+        os.close(fd)
+    store.close()
