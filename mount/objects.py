@@ -577,11 +577,7 @@ class Objects:
                 else:
                     closed = None
             if closed is not None:
-                async with closed.lock:  # after a publish its RELEASE started meanwhile
-                    if self._closed_write(node) is closed:
-                        await self._publish(node, closed)
-                        if closed.file is not None and node.on_backing:
-                            closed.published_as = self._version(closed)[:2]
+                await self._publish_closed(node, closed)
                 return
             async with self._ns:
                 node, target = self._renaming(old_parent, old_name, new_parent, new_name, noreplace)
@@ -628,13 +624,26 @@ class Objects:
                 elif node.on_backing:
                     self.listener.stored(node)
                 publishing = self._being_published(node)
+                closed = None if publishing is not None else self._closed_write(node)
             if publishing is not None:
                 # Its last release is publishing it (RELEASE came first): it places the file
                 # under the name just given, and the rename returns once it is there.
                 async with publishing.lock:
                     pass
+            elif closed is not None:  # over another file: the new bytes replace it now
+                await self._publish_closed(node, closed)
 
         await self.bounded(op)
+
+    async def _publish_closed(self, node: Node, closed: WriteState) -> None:
+        """Publish a closed file under the name its rename gave it, unless its RELEASE did
+        meanwhile (the rename waits for that publish): a rename that returned outlives a
+        kill -9 of the daemon."""
+        async with closed.lock:
+            if self._closed_write(node) is closed:
+                await self._publish(node, closed)
+                if closed.file is not None and node.on_backing:
+                    closed.published_as = self._version(closed)[:2]
 
     def rename_now(
         self, old_parent: Node, old_name: bytes, new_parent: Node, new_name: bytes, noreplace: bool

@@ -81,6 +81,30 @@ def test_renaming_a_closed_file_publishes_it_and_a_write_after_that_is_never_ser
         assert counters["quarantined"] == 1
 
 
+def test_a_rename_over_a_stored_chunk_returns_once_the_new_bytes_replaced_it(
+    fresh_mount: Mount,
+) -> None:
+    """Two engines store one key: the second renames its closed temp file over the chunk the
+    first published. Once that rename has returned, the name must hold the new bytes on the
+    backing store (a kill -9 then loses nothing), never the old ones gone and the new ones
+    still to come."""
+    tmp, final = fresh_mount.path / "k.tmp", fresh_mount.path / "k"
+    final.write_bytes(b"a" * CHUNK)
+    fresh_mount.settle()
+    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, b"b" * CHUNK)
+    held = os.dup(fd)
+    os.close(fd)  # a FLUSH; the RELEASE waits for the dup's close
+    try:
+        os.rename(tmp, final)
+        assert (fresh_mount.backing / "k").read_bytes() == b"b" * CHUNK
+    finally:
+        os.close(held)
+    fresh_mount.settle()
+    assert final.read_bytes() == b"b" * CHUNK and not tmp.exists()
+    assert sorted(os.listdir(fresh_mount.backing)) == [".kvfs", "k"]
+
+
 def test_a_writer_killed_mid_file_leaves_no_partial_file_under_its_name(
     fresh_mount: Mount,
 ) -> None:
