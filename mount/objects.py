@@ -630,6 +630,7 @@ class Objects:
                 # under the name just given, and the rename returns once it is there.
                 async with publishing.lock:
                     pass
+                self._check_not_lost(node, publishing)
             elif closed is not None:  # over another file: the new bytes replace it now
                 await self._publish_closed(node, closed)
 
@@ -644,6 +645,14 @@ class Objects:
                 await self._publish(node, closed)
                 if closed.file is not None and node.on_backing:
                     closed.published_as = self._version(closed)[:2]
+            else:
+                self._check_not_lost(node, closed)
+
+    def _check_not_lost(self, node: Node, ws: WriteState) -> None:
+        """After a rename waited for a publish of ``ws`` that its RELEASE made: the rename
+        fails if that publish did (or the release dropped the file unpublished)."""
+        if not node.on_backing and (ws.failed is not None or self.writes.get(node.ino) is not ws):
+            raise fail(ws.failed or errno.EIO)
 
     def rename_now(
         self, old_parent: Node, old_name: bytes, new_parent: Node, new_name: bytes, noreplace: bool

@@ -8,6 +8,7 @@ import contextlib
 import errno
 import json
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -398,4 +399,33 @@ def test_a_rename_while_the_release_publishes_returns_once_the_chunk_is_in_place
         assert vllm_io.load(str(final), size) == vllm_io.chunk_bytes(9, size)
         assert not tmp.exists()
     finally:
+        mount.stop()
+
+
+def test_a_rename_that_waited_for_a_failed_publish_fails_too(tmp_path: Path) -> None:
+    """The release's publish of a closed file fails (its directory on the backing store
+    refuses the new name: immutable) while the engine's rename waits for it: the rename must
+    not answer success for a chunk that is gone."""
+    options = ("--session", "kernel", "--verify", "first-read", "--scrub-rate", "0")
+    mount = make_mount(tmp_path, *options, "--checksum-backlog", "0")
+    mount.start()
+    directory = mount.backing / "d"
+    try:
+        (mount.path / "d").mkdir()
+        (mount.path / "d" / "first").write_bytes(b"x")  # the directory, on the backing store
+        mount.settle()
+        size = 64 << 20  # its read-back (the seal) takes far longer than the rename to come
+        tmp, final = mount.path / "d" / "c.tmp", mount.path / "d" / "c"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT, 0o644)
+        try:
+            assert os.write(fd, vllm_io.chunk(9, size)) == size
+        finally:
+            os.close(fd)
+        if subprocess.run(["chattr", "+i", directory], capture_output=True).returncode != 0:
+            pytest.skip("this filesystem has no immutable directories")
+        with pytest.raises(OSError):
+            os.rename(tmp, final)
+        assert not final.exists() and not (directory / "c").exists()
+    finally:
+        subprocess.run(["chattr", "-i", directory], check=False)
         mount.stop()
