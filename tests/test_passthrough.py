@@ -373,59 +373,67 @@ def test_a_file_renamed_by_its_writer_before_its_close_is_published_under_the_ne
         os.open(final, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
 
 
-def test_a_rename_while_the_release_publishes_returns_once_the_chunk_is_in_place(
-    tmp_path: Path,
-) -> None:
-    """The engine's store closes its temp file and renames it. The kernel sends the RELEASE at
-    the close, so it usually reaches the daemon first; its publish then seals the temp file
-    (here a long O_DIRECT read-back for the checksum) without the namespace lock. A rename
-    arriving meanwhile must wait for the file to be placed under the new name: once it has
-    returned, the chunk is on the backing store and a kill -9 of the daemon loses nothing."""
+# Written O_DIRECT and checksummed at its publish (``--checksum-backlog 0``), a file this large
+# is sealed by a read-back that takes far longer than the engine's rename takes to follow.
+LONG_SEAL = 64 << 20
+
+
+@pytest.fixture
+def long_seals(tmp_path: Path) -> Iterator[Mount]:
     options = ("--session", "kernel", "--verify", "first-read", "--scrub-rate", "0")
     mount = make_mount(tmp_path, *options, "--checksum-backlog", "0")
     mount.start()
     try:
-        size = 64 << 20  # its read-back takes far longer than the RENAME takes to follow
-        tmp, final = mount.path / "c.tmp", mount.path / "c"
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT, 0o644)
-        try:
-            assert os.write(fd, vllm_io.chunk(9, size)) == size
-        finally:
-            os.close(fd)
-        os.rename(tmp, final)
-        assert (mount.backing / "c").stat().st_size == size  # no settle(): as it returned
-        mount.kill()
-        mount.start()
-        assert vllm_io.load(str(final), size) == vllm_io.chunk_bytes(9, size)
-        assert not tmp.exists()
+        yield mount
     finally:
         mount.stop()
 
 
-def test_a_rename_that_waited_for_a_failed_publish_fails_too(tmp_path: Path) -> None:
+def closed_after_a_long_seal_began(tmp: Path) -> None:
+    """Write ``tmp`` O_DIRECT and close it: the kernel sends the RELEASE, whose publish seals
+    it (``LONG_SEAL``)."""
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT, 0o644)
+    try:
+        assert os.write(fd, vllm_io.chunk(9, LONG_SEAL)) == LONG_SEAL
+    finally:
+        os.close(fd)
+
+
+def test_a_rename_while_the_release_publishes_returns_once_the_chunk_is_in_place(
+    long_seals: Mount,
+) -> None:
+    """The engine's store closes its temp file and renames it. The kernel sends the RELEASE at
+    the close, so it usually reaches the daemon first; its publish then seals the temp file
+    without the namespace lock. A rename arriving meanwhile must wait for the file to be
+    placed under the new name: once it has returned, the chunk is on the backing store and a
+    kill -9 of the daemon loses nothing."""
+    mount = long_seals
+    tmp, final = mount.path / "c.tmp", mount.path / "c"
+    closed_after_a_long_seal_began(tmp)
+    os.rename(tmp, final)
+    assert (mount.backing / "c").stat().st_size == LONG_SEAL  # no settle(): as it returned
+    mount.kill()
+    mount.start()
+    assert vllm_io.load(str(final), LONG_SEAL) == vllm_io.chunk_bytes(9, LONG_SEAL)
+    assert not tmp.exists()
+
+
+def test_a_rename_that_waited_for_a_failed_publish_fails_too(long_seals: Mount) -> None:
     """The release's publish of a closed file fails (its directory on the backing store
     refuses the new name: immutable) while the engine's rename waits for it: the rename must
     not answer success for a chunk that is gone."""
-    options = ("--session", "kernel", "--verify", "first-read", "--scrub-rate", "0")
-    mount = make_mount(tmp_path, *options, "--checksum-backlog", "0")
-    mount.start()
+    mount = long_seals
     directory = mount.backing / "d"
+    (mount.path / "d").mkdir()
+    (mount.path / "d" / "first").write_bytes(b"x")  # the directory, on the backing store
+    mount.settle()
+    tmp, final = mount.path / "d" / "c.tmp", mount.path / "d" / "c"
+    closed_after_a_long_seal_began(tmp)
+    if subprocess.run(["chattr", "+i", directory], capture_output=True).returncode != 0:
+        pytest.skip("this filesystem has no immutable directories")
     try:
-        (mount.path / "d").mkdir()
-        (mount.path / "d" / "first").write_bytes(b"x")  # the directory, on the backing store
-        mount.settle()
-        size = 64 << 20  # its read-back (the seal) takes far longer than the rename to come
-        tmp, final = mount.path / "d" / "c.tmp", mount.path / "d" / "c"
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT, 0o644)
-        try:
-            assert os.write(fd, vllm_io.chunk(9, size)) == size
-        finally:
-            os.close(fd)
-        if subprocess.run(["chattr", "+i", directory], capture_output=True).returncode != 0:
-            pytest.skip("this filesystem has no immutable directories")
         with pytest.raises(OSError):
             os.rename(tmp, final)
         assert not final.exists() and not (directory / "c").exists()
     finally:
         subprocess.run(["chattr", "-i", directory], check=False)
-        mount.stop()
