@@ -364,6 +364,29 @@ class BackingStore:
             return Published(rel, size, after.st_blocks, digest), _version_of(before)
         return Published(rel, size, after.st_blocks, digest), _version_of(after)
 
+    def seal_into(
+        self,
+        rel: bytes,
+        fd: int,
+        mode: int,
+        uid: int,
+        gid: int,
+        times_ns: tuple[int, int],
+        direct: bool,
+        unchanged_since: tuple[int, int, int],
+        with_checksum: bool,
+        dest: bytes,
+        dirs: Sequence[tuple[bytes, int, int, int]],
+    ) -> tuple[Published, tuple[int, int, int]] | None:
+        """``seal_tmp`` (checked, not durable), then ``rename_into`` ``dest``: one call for
+        a file whose final name is known. None, nothing renamed, if the file changed."""
+        sealed = self.seal_tmp(
+            rel, fd, mode, uid, gid, times_ns, False, direct, unchanged_since, with_checksum
+        )
+        if sealed is not None:
+            self.rename_into(rel, dest, dirs)
+        return sealed
+
     @staticmethod
     def version(fd: int) -> tuple[int, int, int]:
         return _version_of(os.fstat(fd))

@@ -127,6 +127,10 @@ _ON_OPEN_HANDLES = _NO_REPLY | {
 }
 
 
+# What an inline handler may leave for its answer to wait on (``rename_now``: a publish).
+Later = Callable[[], Awaitable[None]]
+
+
 # -- what the operations receive --------------------------------------------------------------
 
 
@@ -567,7 +571,7 @@ class KernelSession:
         # that the next open of a hot chunk costs the daemon no I/O and the kernel no ioctl.
         self._idle: OrderedDict[int, _Backing] = OrderedDict()
         # Requests answered in the receive loop, without a task: see init().
-        self._inline: dict[int, Callable[[_Request], None]] = {}
+        self._inline: dict[int, Callable[[_Request], Later | None]] = {}
         self._spin = True  # whether the receive loop reads again before it sleeps
         self._handlers: dict[int, Callable[[_Request], Awaitable[None]]] = {
             Opcode.LOOKUP: self._lookup,
@@ -642,7 +646,8 @@ class KernelSession:
         # all it raises NeedsIO, and the request is served in a task.
         # ``create_now``, ``flush_now``, ``rename_now`` and ``mkdir_now`` answer the common
         # steps of a store (a new passthrough file, its close, its rename to the final name,
-        # the directories above it) the same way.
+        # the directories above it) the same way. ``rename_now`` may return what must end
+        # before the rename is answered (its file's publish): awaited in a task.
         inline = [
             "lookup",
             "getattr",
@@ -728,14 +733,18 @@ class KernelSession:
                             break
                         req = self._parse(view, size)
                         inline = self._inline.get(req.opcode)
-                        if (
-                            inline is not None
-                            and not self._turned_away(req)
-                            and self._serve_now(inline, req)  # no task: a third less latency
-                        ):
+                        served = (
+                            self._serve_now(inline, req)  # no task: a third less latency
+                            if inline is not None and not self._turned_away(req)
+                            else False
+                        )
+                        if served is True:
                             slots.release()
                             continue
-                        nursery.start_soon(self._serve, req, slots)
+                        if served is False:
+                            nursery.start_soon(self._serve, req, slots)
+                        else:  # done in memory, answered once what it returned has ended
+                            nursery.start_soon(self._answer_after, req, served, slots)
                         unyielded = YIELD_EVERY
                 # A handler that never returns must not keep the daemon from stopping: past
                 # the deadline its request stays unanswered until close() ends it.
@@ -1097,16 +1106,29 @@ class KernelSession:
                     self._spin = time.perf_counter() - start < SPIN_AGAIN
                 return size
 
-    def _serve_now(self, handler: Callable[[_Request], None], req: _Request) -> bool:
+    def _serve_now(
+        self, handler: Callable[[_Request], Later | None], req: _Request
+    ) -> bool | Later:
         """Answer a request inline; False if it needs I/O after all (``NeedsIO``): it is then
-        served in a task, like any other."""
+        served in a task, like any other; or what its answer must wait for."""
         try:
-            handler(req)
+            later = handler(req)
         except NeedsIO:
             return False
         except Exception as err:
             self._fail_with(req, err)
-        return True
+            return True
+        return True if later is None else later
+
+    async def _answer_after(self, req: _Request, later: Later, slots: trio.Semaphore) -> None:
+        try:
+            await later()
+        except Exception as err:
+            self._fail_with(req, err)
+        else:
+            self._reply(req, [])
+        finally:
+            slots.release()
 
     async def _serve(self, req: _Request, slots: trio.Semaphore) -> None:
         try:
@@ -1325,10 +1347,12 @@ class KernelSession:
         await self._ops.rename(req.nodeid, old, newdir, new, flags, self._ctx(req))
         self._reply(req, [])
 
-    def _rename_now(self, req: _Request) -> None:
+    def _rename_now(self, req: _Request) -> Later | None:
         old, newdir, new, flags = self._rename_in(req)
-        self._ops.rename_now(req.nodeid, old, newdir, new, flags)
-        self._reply(req, [])
+        later: Later | None = self._ops.rename_now(req.nodeid, old, newdir, new, flags)
+        if later is None:
+            self._reply(req, [])
+        return later
 
     @staticmethod
     def _rename_in(req: _Request) -> tuple[bytes, int, bytes, int]:

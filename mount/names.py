@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 
 import pyfuse3
@@ -182,14 +182,16 @@ class NameRequests(pyfuse3.Operations):
         parent_inode_new: int,
         name_new: bytes,
         flags: int,
-    ) -> None:
+    ) -> Callable[[], Awaitable[None]] | None:
         """RENAME from memory, in the kernel session's receive loop: a file not published yet
-        to a free name; NeedsIO for any other (``Objects.rename_now``)."""
+        to a free name; NeedsIO for any other. What it returns, if anything, must be awaited
+        before the rename is answered (``Objects.rename_now``)."""
         old_parent, new_parent, noreplace = self._rename_args(
             parent_inode_old, parent_inode_new, name_new, flags
         )
-        self.objects.rename_now(old_parent, name_old, new_parent, name_new, noreplace)
+        publish = self.objects.rename_now(old_parent, name_old, new_parent, name_new, noreplace)
         self.lookups.made(new_parent, name_new)
+        return publish
 
     def _rename_args(
         self, parent_inode_old: int, parent_inode_new: int, name_new: bytes, flags: int

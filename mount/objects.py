@@ -202,6 +202,7 @@ class WriteState:
     # A passthrough file's size and mtime as its rename published it, its writer's descriptor
     # still open: a write after that (through a dup of it) changed it behind its checksum.
     published_as: tuple[int, int] | None = None
+    renaming: int = 0  # renames that gave the closed file its final name and wait for its publish
 
     def changed(self) -> None:
         self.dirty = True
@@ -574,6 +575,7 @@ class Objects:
                 closed = self._closed_write(node)
                 if closed is not None and self._renames_in_memory(node, target, new_parent):
                     self.index.move(old_parent, old_name, new_parent, new_name)
+                    closed.renaming += 1
                 else:
                     closed = None
             if closed is not None:
@@ -623,30 +625,31 @@ class Objects:
                         self.listener.content_changed(node)
                 elif node.on_backing:
                     self.listener.stored(node)
-                publishing = self._being_published(node)
-                closed = None if publishing is not None else self._closed_write(node)
-            if publishing is not None:
-                # Its last release is publishing it (RELEASE came first): it places the file
-                # under the name just given, and the rename returns once it is there.
-                async with publishing.lock:
-                    pass
-                self._check_not_lost(node, publishing)
-            elif closed is not None:  # over another file: the new bytes replace it now
+                # Closed and not published: over another file, or its last release is
+                # publishing it (RELEASE came first), which places it under this name.
+                closed = self._being_published(node) or self._closed_write(node)
+                if closed is not None:
+                    closed.renaming += 1
+            if closed is not None:
                 await self._publish_closed(node, closed)
 
         await self.bounded(op)
 
     async def _publish_closed(self, node: Node, closed: WriteState) -> None:
         """Publish a closed file under the name its rename gave it, unless its RELEASE did
-        meanwhile (the rename waits for that publish): a rename that returned outlives a
-        kill -9 of the daemon."""
-        async with closed.lock:
-            if self._closed_write(node) is closed:
-                await self._publish(node, closed)
-                if closed.file is not None and node.on_backing:
-                    closed.published_as = self._version(closed)[:2]
-            else:
-                self._check_not_lost(node, closed)
+        (the rename waits for that publish): a rename that returned outlives a kill -9 of the
+        daemon. The rename counted itself in ``closed.renaming`` as it gave the name (the
+        name is final: the publish seals the file in the trip that places it)."""
+        try:
+            async with closed.lock:
+                if self._closed_write(node) is closed:
+                    await self._publish(node, closed)
+                    if closed.file is not None and node.on_backing:
+                        closed.published_as = self._version(closed)[:2]
+                else:
+                    self._check_not_lost(node, closed)
+        finally:
+            closed.renaming -= 1
 
     def _check_not_lost(self, node: Node, ws: WriteState) -> None:
         """After a rename waited for a publish of ``ws`` that its RELEASE made: the rename
@@ -656,19 +659,23 @@ class Objects:
 
     def rename_now(
         self, old_parent: Node, old_name: bytes, new_parent: Node, new_name: bytes, noreplace: bool
-    ) -> None:
-        """``rename`` from memory of a file not published yet to a free name, written since its
-        last close: only the index changes, and its last release publishes it under the new
-        name. NeedsIO for any other (a closed one: ``rename`` publishes it)."""
+    ) -> Callable[[], Awaitable[None]] | None:
+        """``rename`` from memory of a file not published yet to a free name: only the index
+        changes. A file written since its last close is done (its last release publishes it
+        under the new name): None. For a closed one, or one its release is publishing, the
+        returned wait publishes it or waits for that publish, within the deadline; the rename
+        is answered once it ends. NeedsIO for any other rename."""
         if self._ns.locked() or self.share is not None:
             raise NeedsIO()
         node, target = self._renaming(old_parent, old_name, new_parent, new_name, noreplace)
         if not self._renames_in_memory(node, target, new_parent):
             raise NeedsIO()
-        # ``rename`` publishes a closed one, and waits for a publish its release began
-        if self._closed_write(node) is not None or self._being_published(node) is not None:
-            raise NeedsIO()
+        closed = self._being_published(node) or self._closed_write(node)
         self.index.move(old_parent, old_name, new_parent, new_name)
+        if closed is None:
+            return None
+        closed.renaming += 1  # before its RELEASE's publish begins, as a rule: sealed as placed
+        return partial(self.bounded, partial(self._publish_closed, node, closed))
 
     def _renames_in_memory(self, node: Node, target: Node | None, new_parent: Node) -> bool:
         """Whether a rename of ``node`` changes only the index: a file not on the backing store
@@ -1157,6 +1164,12 @@ class Objects:
             prepared.version if check else None,
             with_checksum,
         )
+        return self._sealed(prepared, sealed)
+
+    @staticmethod
+    def _sealed(
+        prepared: Prepared, sealed: tuple[Published, tuple[int, int, int]] | None
+    ) -> Prepared | None:
         if sealed is None:
             return None
         published, version = sealed
@@ -1203,23 +1216,29 @@ class Objects:
                 self._discard(ws, prepared)
             return
         try:
+            seal: bool | None = None  # sealed by the commit (with its checksum, or not)
+            sealed: Prepared | None = prepared
             if prepared.published is None:  # a passthrough file: sealed at its publish
                 # a chmod or touch after its close holds; one trip checks and seals (and takes
                 # its checksum, unless the sealer may take it later)
                 attrs = self._file_attrs(node)
                 later = self._checksum_later(ws, prepared.version[0])
                 prepared = dataclasses.replace(prepared, attrs=attrs)
-                sealed = await self._seal(ws, prepared, check=True, with_checksum=not later)
-            elif prepared.version == self._version(ws):
-                sealed = prepared
-            else:
+                if ws.renaming and (later or prepared.version[0] < CHECKSUM_LATER_MIN):
+                    seal = not later  # its final name is known: sealed as it is placed
+                else:
+                    sealed = await self._seal(ws, prepared, check=True, with_checksum=not later)
+            elif prepared.version != self._version(ws):
                 sealed = None
-            if sealed is None:  # changed after its close (mmap); the room: released below
+            committed = None
+            if sealed is not None:
+                prepared = sealed
+                committed = await self._commit(node, ws, prepared, seal)
+            if committed is None:  # changed after its close (mmap); the room: released below
                 self._discard_tmp(ws, prepared)
                 log.info("%s not published: changed after its last close", self._name(node))
                 return
-            prepared = sealed
-            rewritten = await self._commit(node, ws, prepared)
+            rewritten, prepared = committed
         except OSError as err:  # its writer's close() succeeded: only the count and log tell
             self._failed(node, ws, err)
             raise
@@ -1236,11 +1255,22 @@ class Objects:
             # the engine's next access() of the chunk costs no round trip.)
             self.listener.attributes_changed(node)
 
-    async def _commit(self, node: Node, ws: WriteState, prepared: Prepared) -> bool:
-        """Rename a temp file over the node's name; returns whether it replaced a version."""
-        pub = prepared.published
-        assert pub is not None
+    async def _commit(
+        self, node: Node, ws: WriteState, prepared: Prepared, seal: bool | None = None
+    ) -> tuple[bool, Prepared] | None:
+        """Rename a temp file over the node's name: whether it replaced a version, and the
+        prepared file as published. ``seal`` (a passthrough file not sealed yet: with its
+        checksum or not): sealed first, in the trip that places it where it can be; None if
+        it changed since its close."""
         async with self._ns:
+            placed = False
+            if seal is not None:
+                sealed = await self._seal_to_place(node, ws, prepared, seal)
+                if sealed is None:
+                    return None
+                prepared, placed = sealed
+            pub = prepared.published
+            assert pub is not None
             if not node.attached:  # unlinked, or renamed over, before its publish
                 node.size, node.blocks = pub.size, pub.blocks  # what its readers still read
                 if node.lookups or node.open_count:
@@ -1254,16 +1284,16 @@ class Objects:
                     ws.dirty = False
                 else:
                     self._discard_tmp(ws, prepared)  # the room held: released by _publish
-                return False
+                return False, prepared
             rel = self.index.path(node)
             try:
-                found = await self._place(node, pub.tmp, rel)
+                found = None if placed else await self._place(node, pub.tmp, rel)
             except BaseException:
                 self._discard_tmp(ws, prepared)
                 raise
             if found is not None:  # another host published this name first: theirs stays
                 ws.dirty = False
-                return self._lost_race(node, pub.checksum or "", found)
+                return self._lost_race(node, pub.checksum or "", found), prepared
             attrs = self._file_attrs(node)
             if attrs != prepared.attrs:  # chmod, chown, touch after its close
                 mode, uid, gid, times = attrs
@@ -1289,7 +1319,41 @@ class Objects:
             self.counters.publishes += 1
             self.counters.bytes_written += pub.size
             self.listener.stored(node)
-            return rewritten
+            return rewritten, prepared
+
+    async def _seal_to_place(
+        self, node: Node, ws: WriteState, prepared: Prepared, with_checksum: bool
+    ) -> tuple[Prepared, bool] | None:
+        """Seal a passthrough file whose final name is known (the caller holds ``_ns``), and
+        place it there in the same trip where ``_place`` would have renamed it: the sealed
+        file and whether it was placed; None if it changed since its close."""
+        assert ws.file is not None
+        if not node.attached or node.on_backing or node.links or self.store.host is not None:
+            sealed = await self._seal(ws, prepared, check=True, with_checksum=with_checksum)
+            return None if sealed is None else (sealed, False)
+        assert node.parent is not None
+        unmade = self._unmade(node.parent)  # made in the same trip
+        mode, uid, gid, times = prepared.attrs
+        result = await self.io.read(
+            self.store.seal_into,
+            ws.file.rel,
+            ws.file.fd,
+            mode,
+            uid,
+            gid,
+            times,
+            ws.direct,
+            prepared.version,
+            with_checksum,
+            self.index.path(node),
+            self._dirs_to_make(unmade),
+        )
+        if result is None:
+            return None
+        self._made(unmade)
+        sealed = self._sealed(prepared, result)
+        assert sealed is not None
+        return sealed, True
 
     async def _place(self, node: Node, src: bytes, rel: bytes) -> Found | None:
         """Rename ``src`` to ``rel``; on a shared backing directory a name this daemon has not
