@@ -19,7 +19,7 @@ import logging
 import mmap
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvfs import checksum, layout, namespaces, vllm_layout
@@ -366,25 +366,15 @@ class BackingStore:
 
     def seal_into(
         self,
-        rel: bytes,
-        fd: int,
-        mode: int,
-        uid: int,
-        gid: int,
-        times_ns: tuple[int, int],
-        direct: bool,
-        unchanged_since: tuple[int, int, int],
-        with_checksum: bool,
+        seal: Callable[[], tuple[Published, tuple[int, int, int]] | None],
         dest: bytes,
         dirs: Sequence[tuple[bytes, int, int, int]],
     ) -> tuple[Published, tuple[int, int, int]] | None:
-        """``seal_tmp`` (checked, not durable), then ``rename_into`` ``dest``: one call for
-        a file whose final name is known. None, nothing renamed, if the file changed."""
-        sealed = self.seal_tmp(
-            rel, fd, mode, uid, gid, times_ns, False, direct, unchanged_since, with_checksum
-        )
+        """A ``seal_tmp`` call, then its file renamed to ``dest`` (``rename_into``) if it
+        sealed: one call for a file whose final name is known."""
+        sealed = seal()
         if sealed is not None:
-            self.rename_into(rel, dest, dirs)
+            self.rename_into(sealed[0].tmp, dest, dirs)
         return sealed
 
     @staticmethod

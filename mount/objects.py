@@ -53,6 +53,7 @@ from kvfs.store import BackingStore, Found, Published, fill_times
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Sealed = tuple[Published, tuple[int, int, int]] | None  # ``BackingStore.seal_tmp``
 
 # A publish that meets a full backing disk evicts and tries again, this many times at most.
 DISK_FULL_RETRIES = 8
@@ -1149,9 +1150,20 @@ class Objects:
         its ctime, so the version is the one after. ``check``: None, nothing done, if the file
         changed since ``prepared`` was made (in the same trip to the I/O pool).
         ``with_checksum=False``: the attributes only (the sealer checksums it later)."""
+        seal = self._seal_call(ws, prepared, prepared.version if check else None, with_checksum)
+        return self._sealed(prepared, await self.io.write(seal))
+
+    def _seal_call(
+        self,
+        ws: WriteState,
+        prepared: Prepared,
+        unchanged_since: tuple[int, int, int] | None,
+        with_checksum: bool,
+    ) -> Callable[[], Sealed]:
+        """``BackingStore.seal_tmp`` of a passthrough file as ``prepared`` says."""
         assert ws.file is not None
         mode, uid, gid, times = prepared.attrs
-        sealed = await self.io.write(
+        return partial(
             self.store.seal_tmp,
             ws.file.rel,
             ws.file.fd,
@@ -1161,15 +1173,12 @@ class Objects:
             times,
             prepared.durable,
             ws.direct,
-            prepared.version if check else None,
+            unchanged_since,
             with_checksum,
         )
-        return self._sealed(prepared, sealed)
 
     @staticmethod
-    def _sealed(
-        prepared: Prepared, sealed: tuple[Published, tuple[int, int, int]] | None
-    ) -> Prepared | None:
+    def _sealed(prepared: Prepared, sealed: Sealed) -> Prepared | None:
         if sealed is None:
             return None
         published, version = sealed
@@ -1327,32 +1336,19 @@ class Objects:
         """Seal a passthrough file whose final name is known (the caller holds ``_ns``), and
         place it there in the same trip where ``_place`` would have renamed it: the sealed
         file and whether it was placed; None if it changed since its close."""
-        assert ws.file is not None
         if not node.attached or node.on_backing or node.links or self.store.host is not None:
             sealed = await self._seal(ws, prepared, check=True, with_checksum=with_checksum)
             return None if sealed is None else (sealed, False)
         assert node.parent is not None
         unmade = self._unmade(node.parent)  # made in the same trip
-        mode, uid, gid, times = prepared.attrs
-        result = await self.io.read(
-            self.store.seal_into,
-            ws.file.rel,
-            ws.file.fd,
-            mode,
-            uid,
-            gid,
-            times,
-            ws.direct,
-            prepared.version,
-            with_checksum,
-            self.index.path(node),
-            self._dirs_to_make(unmade),
+        seal = self._seal_call(ws, prepared, prepared.version, with_checksum)
+        dirs = self._dirs_to_make(unmade)
+        sealed = self._sealed(
+            prepared, await self.io.read(self.store.seal_into, seal, self.index.path(node), dirs)
         )
-        if result is None:
+        if sealed is None:
             return None
         self._made(unmade)
-        sealed = self._sealed(prepared, result)
-        assert sealed is not None
         return sealed, True
 
     async def _place(self, node: Node, src: bytes, rel: bytes) -> Found | None:
