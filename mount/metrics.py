@@ -119,7 +119,9 @@ class Metrics:
         return self._last
 
     def timed_now(self, name: str, handler: Callable[..., T]) -> Callable[..., T]:
-        """``timed`` for the handlers a session calls inline (``lookup_now``...)."""
+        """``timed`` for the handlers a session calls inline (``lookup_now``...). One that
+        returns what its answer must wait for (``rename_now``: a publish) is timed until
+        that ends."""
         observe = self.latency.of(name).observe
 
         @wraps(handler)
@@ -132,6 +134,15 @@ class Metrics:
             except BaseException:
                 observe(time.perf_counter() - start)
                 raise
+            if callable(result):
+
+                async def timed_until_answered() -> None:
+                    try:
+                        await result()
+                    finally:
+                        observe(time.perf_counter() - start)
+
+                return timed_until_answered  # type: ignore[return-value]
             observe(time.perf_counter() - start)
             return result
 

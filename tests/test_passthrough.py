@@ -22,6 +22,7 @@ from kvfs.mount.scrub import FILE_COST
 from tests import vllm_tier
 from tests.conftest import Mount, make_mount, small_filesystem
 from tests.test_integrity import flip_byte
+from tests.test_observability import metered_mount, scrape
 from tools import vllm_io
 
 ROW = 256 << 10
@@ -437,3 +438,20 @@ def test_a_rename_that_waited_for_a_failed_publish_fails_too(long_seals: Mount) 
         assert not final.exists() and not (directory / "c").exists()
     finally:
         subprocess.run(["chattr", "-i", directory], check=False)
+
+
+def test_a_rename_is_timed_until_it_is_answered(tmp_path: Path) -> None:
+    """The kernel session moves a closed file's name in its receive loop and answers the
+    rename once the file is published: its latency, as operators see it, must include that
+    wait, not only the move."""
+    options = ("--session", "kernel", "--verify", "first-read", "--scrub-rate", "0")
+    with metered_mount(tmp_path, *options, "--checksum-backlog", "0") as (mount, port):
+        tmp = mount.path / "c.tmp"
+        closed_after_a_long_seal_began(tmp)
+        before = scrape(port)
+        start = time.perf_counter()
+        os.rename(tmp, mount.path / "c")
+        took = time.perf_counter() - start
+        after = scrape(port)
+    name = 'kvfs_operation_duration_seconds_sum{operation="rename"}'
+    assert after[name] - before[name] >= took / 2
