@@ -78,6 +78,10 @@ class Published:
     checksum: str | None  # None: published before its checksum was taken (mount/sealer.py)
 
 
+# What a seal gives: the file and its version (size, mtime, ctime) after, or None.
+Sealed = tuple[Published, tuple[int, int, int]] | None
+
+
 class BackingStore:
     def __init__(self, root: bytes, host: str | None = None) -> None:
         self.root = os.path.abspath(root)
@@ -329,7 +333,7 @@ class BackingStore:
         direct: bool = False,
         unchanged_since: tuple[int, int, int] | None = None,
         with_checksum: bool = True,
-    ) -> tuple[Published, tuple[int, int, int]] | None:
+    ) -> Sealed:
         """Checksum a temp file as it is now and set its attributes: the file and its version
         (size, mtime, ctime after sealing: any later write changes it). ``direct``: it was
         written past the page cache (O_DIRECT), so it is read back that way, not faulted in
@@ -366,10 +370,10 @@ class BackingStore:
 
     def seal_into(
         self,
-        seal: Callable[[], tuple[Published, tuple[int, int, int]] | None],
+        seal: Callable[[], Sealed],
         dest: bytes,
         dirs: Sequence[tuple[bytes, int, int, int]],
-    ) -> tuple[Published, tuple[int, int, int]] | None:
+    ) -> Sealed:
         """A ``seal_tmp`` call, then its file renamed to ``dest`` (``rename_into``) if it
         sealed: one call for a file whose final name is known."""
         sealed = seal()

@@ -49,11 +49,10 @@ from kvfs.mount.bridge import IO, ByteBudget, Detached, Future, Lock, NeedsIO
 from kvfs.mount.eviction import EvictionReason, Evictor
 from kvfs.mount.sealer import Sealer
 from kvfs.mount.share import Share
-from kvfs.store import BackingStore, Found, Published, fill_times
+from kvfs.store import BackingStore, Found, Published, Sealed, fill_times
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Sealed = tuple[Published, tuple[int, int, int]] | None  # ``BackingStore.seal_tmp``
 
 # A publish that meets a full backing disk evicts and tries again, this many times at most.
 DISK_FULL_RETRIES = 8
