@@ -60,8 +60,9 @@ $(VENV)/bin/python:
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 
-# (kvfs/_chunk_calls.c is built by the install, into kvfs/: again when it changes)
-$(VENV)/.mount: pyproject.toml kvfs/_chunk_calls.c | $(VENV)/bin/python
+# (kvfs/_chunk_calls.c and mount/_dev_read.c are built by the install, beside them: again
+# when they change)
+$(VENV)/.mount: pyproject.toml kvfs/_chunk_calls.c mount/_dev_read.c | $(VENV)/bin/python
 	$(VENV)/bin/pip install -q -e '.[mount]'
 	touch $@
 

@@ -81,6 +81,7 @@ import trio
 from kvfs.mount import fuse_abi as abi
 from kvfs.mount.bridge import NeedsIO
 from kvfs.mount.fuse_abi import InitFlag, NotifyCode, Opcode, OpenFlag, SetattrValid
+from kvfs.mount.receiver import Receiver
 
 log = logging.getLogger(__name__)
 
@@ -376,16 +377,8 @@ _NS = 1_000_000_000
 # (and at each wait for the next one, and after each task it starts): a pass through trio's
 # scheduler per request was a sixth of an inline lookup's cost.
 YIELD_EVERY = 8
-# With nothing to read and no request task under way, the receive loop reads again for this
-# long before it sleeps in epoll: a client's next request often follows its answer within tens
-# of microseconds (the next lookup), and on a VM being woken costs more CPU and time than
-# asking again (a first-time miss: 87 -> 31-43 us end to end, 64 -> 34-42 us of daemon CPU).
-# While a task is under way it sleeps at once (the task's I/O completions need the loop), and
-# a read again that found nothing stops it until a request comes within SPIN_AGAIN (a wake-up
-# included). Reading again after every request wasted 4.5 spins of 50 us per 2 MiB store (200
-# stores counted); with these two rules a store spins not at all, a lookup chain always.
-SPIN_SECONDS = 50e-6
-SPIN_AGAIN = 4 * SPIN_SECONDS
+# A reply this small is sent as one joined buffer (an entry, an attribute, a small read).
+_JOINED = 4096
 _MAX_TIMEOUT = 1 << 40  # seconds; the kernel turns a timeout into jiffies, saturating
 
 
@@ -471,6 +464,10 @@ def _two_names(body: bytes, start: int) -> tuple[bytes, bytes]:
 def _as_bytes(data: Buffer) -> memoryview:
     view = memoryview(data)
     return view if view.itemsize == 1 and view.ndim == 1 else view.cast("B")
+
+
+def _nothing() -> None:
+    pass
 
 
 def _opname(opcode: int) -> str:
@@ -572,7 +569,7 @@ class KernelSession:
         self._idle: OrderedDict[int, _Backing] = OrderedDict()
         # Requests answered in the receive loop, without a task: see init().
         self._inline: dict[int, Callable[[_Request], Later | None]] = {}
-        self._spin = True  # whether the receive loop reads again before it sleeps
+        self._idle_now: Callable[[], None] = _nothing
         self._handlers: dict[int, Callable[[_Request], Awaitable[None]]] = {
             Opcode.LOOKUP: self._lookup,
             Opcode.GETATTR: self._getattr,
@@ -648,6 +645,8 @@ class KernelSession:
         # steps of a store (a new passthrough file, its close, its rename to the final name,
         # the directories above it) the same way. ``rename_now`` may return what must end
         # before the rename is answered (its file's publish): awaited in a task.
+        # ``idle_now()``, where there is one, is called whenever the loop has answered all it
+        # holds, before it reads again: bookkeeping that need not delay an answer.
         inline = [
             "lookup",
             "getattr",
@@ -673,6 +672,7 @@ class KernelSession:
                 Opcode.RENAME2: self._rename_now,
                 Opcode.MKDIR: self._mkdir_now,
             }
+        self._idle_now = getattr(ops, "idle_now", None) or _nothing
         self._stopping = False
         devices = _mount_devices(path)
         self._dev = devices[-1] if devices else None
@@ -703,8 +703,7 @@ class KernelSession:
             self._reader = reader
         slots = trio.Semaphore(max(1, max_tasks))
         idle = slots.value - 1  # slots free while no request task runs (one is the next's)
-        buf = bytearray(self._bufsize)
-        view = memoryview(buf)
+        receiver = Receiver(fd, self._bufsize)
         try:
             async with trio.open_nursery() as nursery:
                 self._tasks = nursery
@@ -723,15 +722,21 @@ class KernelSession:
                             unyielded = 0
                             await slots.acquire()
                         unyielded += 1
-                        try:
-                            size = await self._receive(fd, buf, slots.value == idle)
-                        except BaseException:
-                            slots.release()
-                            raise
-                        if size is None:
-                            slots.release()
-                            break
-                        req = self._parse(view, size)
+                        is_idle = slots.value == idle
+                        if is_idle:
+                            self._answered_all()
+                        size = receiver.now(is_idle)
+                        if size < 0:  # none yet: wait in trio (or the read failed)
+                            try:
+                                waited = await receiver.wait(size, is_idle)
+                            except BaseException:
+                                slots.release()
+                                raise
+                            if waited is None:
+                                slots.release()
+                                break
+                            size = waited
+                        req = self._parse(receiver.view, size)
                         inline = self._inline.get(req.opcode)
                         served = (
                             self._serve_now(inline, req)  # no task: a third less latency
@@ -1077,34 +1082,14 @@ class KernelSession:
         end = size - header[7] * 8  # request extensions follow the arguments
         if header[1] == Opcode.WRITE:  # the bytes apart, copied once
             split = start + abi.WRITE_IN.size
-            return _Request(header, bytes(view[start:split]), bytes(view[split:end]))
-        return _Request(header, bytes(view[start:end]))
+            return _Request(header, view[start:split].tobytes(), view[split:end].tobytes())
+        return _Request(header, view[start:end].tobytes())
 
-    async def _receive(self, fd: int, buf: bytearray, idle: bool) -> int | None:
-        """The next request into ``buf``: its size, or None when the mount is gone.
-        ``idle``: no request task is under way (see SPIN_SECONDS)."""
-        spin = idle and self._spin
-        start, slept = time.perf_counter(), False
-        while True:
-            try:
-                size = os.readv(fd, [buf])
-            except BlockingIOError:
-                if spin and time.perf_counter() - start < SPIN_SECONDS:
-                    continue
-                if spin:
-                    self._spin = False
-                slept = True
-                await trio.lowlevel.wait_readable(fd)
-            except OSError as err:
-                if err.errno == errno.ENOENT:  # withdrawn (interrupted) before we read it
-                    continue
-                if err.errno in (errno.ENODEV, errno.ECONNABORTED):  # unmounted, or aborted
-                    return None
-                raise
-            else:
-                if slept and idle:
-                    self._spin = time.perf_counter() - start < SPIN_AGAIN
-                return size
+    def _answered_all(self) -> None:
+        try:
+            self._idle_now()
+        except Exception:
+            log.exception("idle_now failed")
 
     def _serve_now(
         self, handler: Callable[[_Request], Later | None], req: _Request
@@ -1167,7 +1152,10 @@ class KernelSession:
     def _reply(self, req: _Request, parts: Sequence[Buffer]) -> bool:
         """Answer a request with success and ``parts``; False when the answer reached nobody."""
         size = abi.OUT_HEADER.size + sum(map(len, parts))
-        return self._send(req, [abi.OUT_HEADER.pack(size, 0, req.unique), *parts])
+        header = abi.OUT_HEADER.pack(size, 0, req.unique)
+        if len(parts) == 1 and size <= _JOINED:  # one write(2): cheaper than writev's list
+            return self._send(req, [header + bytes(parts[0])])
+        return self._send(req, [header, *parts])
 
     def _reply_error(self, req: _Request, err: int) -> None:
         if not 0 < err < 512:  # the kernel takes nothing else (and EIO says "daemon bug")
@@ -1187,7 +1175,7 @@ class KernelSession:
         if fd is None:
             return False
         try:
-            os.writev(fd, parts)
+            os.write(fd, parts[0]) if len(parts) == 1 else os.writev(fd, parts)
         except OSError as err:
             if err.errno == errno.ENOENT:  # interrupted, or the connection was aborted
                 log.debug("%s: the request is gone", _opname(req.opcode))

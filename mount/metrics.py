@@ -123,27 +123,28 @@ class Metrics:
         returns what its answer must wait for (``rename_now``: a publish) is timed until
         that ends."""
         observe = self.latency.of(name).observe
+        clock = time.perf_counter
 
         @wraps(handler)
-        def wrapper(*args: Any, **kwargs: Any) -> T:
-            start = time.perf_counter()
+        def wrapper(*args: Any) -> T:  # (positional only: every first-time lookup comes here)
+            start = clock()
             try:
-                result = handler(*args, **kwargs)
+                result = handler(*args)
             except NeedsIO:
                 raise  # served in a task after all, and timed there
             except BaseException:
-                observe(time.perf_counter() - start)
+                observe(clock() - start)
                 raise
-            if callable(result):
+            if result is not None and callable(result):
 
                 async def timed_until_answered() -> None:
                     try:
                         await result()
                     finally:
-                        observe(time.perf_counter() - start)
+                        observe(clock() - start)
 
                 return timed_until_answered  # type: ignore[return-value]
-            observe(time.perf_counter() - start)
+            observe(clock() - start)
             return result
 
         return wrapper
@@ -170,6 +171,7 @@ LATENCY_BUCKETS = (
     1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
+FIRST_BOUND = LATENCY_BUCKETS[0]  # where most requests answered inline fall
 
 
 class Latency:
@@ -183,7 +185,8 @@ class Latency:
         self.total = 0.0
 
     def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        bucket = 0 if seconds <= FIRST_BOUND else bisect.bisect_left(LATENCY_BUCKETS, seconds)
+        self.counts[bucket] += 1
         self.total += seconds
 
 

@@ -103,19 +103,18 @@ class NameRequests(pyfuse3.Operations):
                 raise FUSEError(errno.ENOENT)
             return control.attrs(ino, self.cfg.cache_timeout)
         parent = self._dir(parent_inode)
+        node = self.index.child(parent, name)  # the common case first: a hit, or a miss
+        if node is not None:
+            return self._entry(node)
         if len(name) > layout.NAME_MAX:
             raise FUSEError(errno.ENAMETOOLONG)
         if name == b".":
-            node: Node | None = parent
-        elif name == b"..":
-            node = parent.parent or parent
-        else:
-            node = self.index.child(parent, name)
-        if node is None:
-            if self.cfg.shared is not None:
-                raise NeedsIO()
-            return self._miss(parent, name)
-        return self._entry(node)
+            return self._entry(parent)
+        if name == b"..":
+            return self._entry(parent.parent or parent)
+        if self.cfg.shared is not None:
+            raise NeedsIO()
+        return self._miss(parent, name)
 
     def _miss(self, parent: Node, name: bytes) -> pyfuse3.EntryAttributes:
         """A negative entry: the kernel caches the miss, so repeated exists() on a cold cache

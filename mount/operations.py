@@ -83,6 +83,8 @@ class KvfsOperations(NameRequests):
         self.flush_now = self.metrics.timed_now("flush", self._flush_now)
         self.rename_now = self.metrics.timed_now("rename", self._rename_now)
         self.mkdir_now = self.metrics.timed_now("mkdir", self._mkdir_now)
+        # ... and once it has answered all it holds: what need not delay an answer.
+        self.idle_now = self.lookups.settle
 
     def report(self, walk: bool) -> Report:
         session = sessions.report(self.session)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import itertools
 import os
 import stat
 import subprocess
@@ -101,6 +102,7 @@ class MemoryFS(pyfuse3.Operations):
         self.served: set[int] = set()  # inodes opened without passthrough regardless
         self.slow: dict[bytes, float] = {}
         self.raising: dict[bytes, BaseException] = {}
+        self.idle_raises = False
         self.handles: dict[int, int] = {}  # fh: the backing file's fd
         self._next_ino = ROOT + 1
         self._next_fh = 1
@@ -157,6 +159,11 @@ class MemoryFS(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=False)  # served: every read reaches us
 
     # -- handlers -------------------------------------------------------------------------------
+
+    def idle_now(self) -> None:
+        self.calls["idle_now"] += 1
+        if self.idle_raises:
+            raise RuntimeError("a bug in the operations")
 
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
         self.calls["lookup"] += 1
@@ -623,6 +630,22 @@ def test_errors_reach_the_caller_and_a_bug_fails_one_request(fs: MemoryFS, mnt: 
     assert fs.session.stats.errors[errno.EIO] >= 2
     (mnt / "after").write_bytes(b"still serving")
     assert (mnt / "after").read_bytes() == b"still serving"
+
+
+def test_idle_now_runs_between_requests_and_a_bug_in_it_stops_nothing(
+    fs: MemoryFS, mnt: Path
+) -> None:
+    fs.add(ROOT, b"f", stat.S_IFREG | 0o644)
+    fs.idle_raises = True
+    calls = fs.calls["idle_now"]
+    names = (f"missing-{i}" for i in itertools.count())
+
+    def another_miss_and_idle_again() -> bool:
+        assert not os.path.exists(mnt / next(names))  # one request each (a new name)
+        return fs.calls["idle_now"] >= calls + 2  # it raised, and was called again
+
+    wait_for(another_miss_and_idle_again)
+    assert os.stat(mnt / "f").st_size == 0  # still serving
 
 
 def test_a_waiting_handler_does_not_hold_up_others(fs: MemoryFS, mnt: Path) -> None:

@@ -1,0 +1,3 @@
+# mount/_dev_read.c: the contract is mount/receiver.py's _read_calls.
+
+def read_request(fd: int, buffer: bytearray, spin_ns: int, /) -> int: ...
