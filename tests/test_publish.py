@@ -105,6 +105,30 @@ def test_a_rename_over_a_stored_chunk_returns_once_the_new_bytes_replaced_it(
     assert sorted(os.listdir(fresh_mount.backing)) == [".kvfs", "k"]
 
 
+def test_a_rewritten_chunk_renamed_over_another_returns_once_its_new_bytes_are_there(
+    fresh_mount: Mount,
+) -> None:
+    """A published file opened again, rewritten and closed (a dup still open: its RELEASE
+    waits), then renamed over another chunk: once the rename has returned, the target's name
+    holds the rewritten bytes on the backing store, neither chunk's old bytes."""
+    src, dst = fresh_mount.path / "a", fresh_mount.path / "b"
+    src.write_bytes(b"a" * CHUNK)
+    dst.write_bytes(b"b" * CHUNK)
+    fresh_mount.settle()
+    fd = os.open(src, os.O_WRONLY)
+    os.pwrite(fd, b"c" * CHUNK, 0)
+    held = os.dup(fd)
+    os.close(fd)  # a FLUSH; the RELEASE waits for the dup's close
+    try:
+        os.rename(src, dst)
+        assert (fresh_mount.backing / "b").read_bytes() == b"c" * CHUNK
+    finally:
+        os.close(held)
+    fresh_mount.settle()
+    assert dst.read_bytes() == b"c" * CHUNK and not src.exists()
+    assert sorted(os.listdir(fresh_mount.backing)) == [".kvfs", "b"]
+
+
 def test_a_writer_killed_mid_file_leaves_no_partial_file_under_its_name(
     fresh_mount: Mount,
 ) -> None:
