@@ -83,6 +83,12 @@ from kvfs.mount.bridge import NeedsIO
 from kvfs.mount.fuse_abi import InitFlag, NotifyCode, Opcode, OpenFlag, SetattrValid
 from kvfs.mount.receiver import Receiver
 
+_answer_miss: Callable[..., int] | None
+try:
+    from kvfs.mount._dev_read import answer_miss as _answer_miss
+except ImportError:  # pragma: no cover (without C, misses are Python's like any lookup)
+    _answer_miss = None
+
 log = logging.getLogger(__name__)
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -470,6 +476,14 @@ def _nothing() -> None:
     pass
 
 
+def _not_sent(opcode: int, err: int) -> None:
+    """A reply the kernel refused: logged unless its request or the connection is gone."""
+    if err == errno.ENOENT:  # interrupted, or the connection was aborted
+        log.debug("%s: the request is gone", _opname(opcode))
+    elif err not in (errno.ENODEV, errno.ECONNABORTED, errno.ENOTCONN):
+        log.error("the kernel refused the reply to %s: %s", _opname(opcode), os.strerror(err))
+
+
 def _opname(opcode: int) -> str:
     try:
         return Opcode(opcode).name
@@ -570,6 +584,7 @@ class KernelSession:
         # Requests answered in the receive loop, without a task: see init().
         self._inline: dict[int, Callable[[_Request], Later | None]] = {}
         self._idle_now: Callable[[], None] = _nothing
+        self._fast_misses: Any = None
         self._handlers: dict[int, Callable[[_Request], Awaitable[None]]] = {
             Opcode.LOOKUP: self._lookup,
             Opcode.GETATTR: self._getattr,
@@ -673,6 +688,10 @@ class KernelSession:
                 Opcode.MKDIR: self._mkdir_now,
             }
         self._idle_now = getattr(ops, "idle_now", None) or _nothing
+        # First-time misses answered in C (``FastMisses``): not with allow_root, whose
+        # requests are checked for their caller first.
+        fast = getattr(ops, "fast_misses", None)
+        self._fast_misses = fast if _answer_miss is not None and not opts.allow_root else None
         self._stopping = False
         devices = _mount_devices(path)
         self._dev = devices[-1] if devices else None
@@ -704,6 +723,8 @@ class KernelSession:
         slots = trio.Semaphore(max(1, max_tasks))
         idle = slots.value - 1  # slots free while no request task runs (one is the next's)
         receiver = Receiver(fd, self._bufsize)
+        fast, answer_miss = self._fast_misses, _answer_miss
+        miss = _negative_entry(fast.timeout) if fast is not None else b""
         try:
             async with trio.open_nursery() as nursery:
                 self._tasks = nursery
@@ -736,6 +757,15 @@ class KernelSession:
                                 slots.release()
                                 break
                             size = waited
+                        if fast is not None and answer_miss is not None:  # a miss, in C
+                            took = answer_miss(fd, receiver.buf, size, fast.dirs, fast.noted, miss)
+                            if took:
+                                if took > 0:
+                                    fast.answered(took * 1e-9)
+                                else:
+                                    _not_sent(Opcode.LOOKUP, -took)
+                                slots.release()
+                                continue
                         req = self._parse(receiver.view, size)
                         inline = self._inline.get(req.opcode)
                         served = (
@@ -1177,10 +1207,7 @@ class KernelSession:
         try:
             os.write(fd, parts[0]) if len(parts) == 1 else os.writev(fd, parts)
         except OSError as err:
-            if err.errno == errno.ENOENT:  # interrupted, or the connection was aborted
-                log.debug("%s: the request is gone", _opname(req.opcode))
-            elif err.errno not in (errno.ENODEV, errno.ECONNABORTED, errno.ENOTCONN):
-                log.error("the kernel refused the reply to %s: %s", _opname(req.opcode), err)
+            _not_sent(req.opcode, err.errno or errno.EIO)
             return False
         return True
 

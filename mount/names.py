@@ -23,7 +23,7 @@ from kvfs.mount import attributes, control
 from kvfs.mount.bridge import NeedsIO
 from kvfs.mount.handles import Handles
 from kvfs.mount.kernel_session import FuseSession
-from kvfs.mount.lookups import LookupCounts
+from kvfs.mount.lookups import FastMisses, LookupCounts
 from kvfs.mount.objects import Objects
 from kvfs.mount.shared import MISS_TIMEOUT
 
@@ -37,6 +37,7 @@ class NameRequests(pyfuse3.Operations):
     objects: Objects
     handles: Handles
     lookups: LookupCounts
+    fast_misses: FastMisses | None
 
     # -- inodes and handles -----------------------------------------------------------------
 
@@ -121,6 +122,8 @@ class NameRequests(pyfuse3.Operations):
         never reach the daemon. Every create here goes through us and replaces it; on a
         shared mount another host may publish the name any moment: cached briefly."""
         self.lookups.miss(parent, name)
+        if self.fast_misses is not None:  # the next ones here: answered in C
+            self.fast_misses.register(parent)
         shared = self.cfg.shared is not None
         return attributes.negative(
             min(self.cfg.cache_timeout, MISS_TIMEOUT) if shared else self.cfg.cache_timeout

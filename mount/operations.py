@@ -32,7 +32,7 @@ from kvfs.mount.handles import Handle, Handles
 from kvfs.mount.invalidator import Invalidator
 from kvfs.mount.kernel_session import FuseSession, PassthroughFileInfo
 from kvfs.mount.listener import MountListener
-from kvfs.mount.lookups import LookupCounts
+from kvfs.mount.lookups import FastMisses, LookupCounts
 from kvfs.mount.metrics import Metrics
 from kvfs.mount.names import NameRequests
 from kvfs.mount.objects import Objects
@@ -68,7 +68,7 @@ class KvfsOperations(NameRequests):
         self.scrub = Scrub(self.objects, cfg.scrub_bytes_per_second)
         self.metrics = Metrics()
         self.handles = Handles()
-        self.lookups = LookupCounts()
+        self.lookups = LookupCounts(index.get)
         shared = self.objects.fall_through_paths if cfg.shared is not None else None
         self.batch_lookups = BatchLookups(index, self.lookups, shared)
         for name in FUSE_HANDLERS:  # pyfuse3 calls the instance's attributes
@@ -85,6 +85,12 @@ class KvfsOperations(NameRequests):
         self.mkdir_now = self.metrics.timed_now("mkdir", self._mkdir_now)
         # ... and once it has answered all it holds: what need not delay an answer.
         self.idle_now = self.lookups.settle
+        # The first-time misses it may answer without the interpreter (none on a share).
+        self.fast_misses = (
+            FastMisses(self.lookups, self.metrics.latency.of("lookup").observe, cfg.cache_timeout)
+            if cfg.shared is None
+            else None
+        )
 
     def report(self, walk: bool) -> Report:
         session = sessions.report(self.session)

@@ -116,6 +116,31 @@ def test_metrics_deltas_match_a_known_workload(observed_mount: tuple[Mount, int,
     assert after["kvfs_capacity_bytes"] > 0 and "kvfs_checksum_failures_total" in after
 
 
+def test_every_first_time_miss_is_counted_and_timed(
+    observed_mount: tuple[Mount, int, int],
+) -> None:
+    """The kernel session answers most first-time misses without the interpreter (FastMisses,
+    after Python's first in a directory): each is still a miss for the hit rate and a lookup
+    in the latency histogram, and the root's misses leave the control directory alone."""
+    mount, port, _ = observed_mount
+    root = str(mount.path)
+    vllm_io.store(vllm_io.chunk_path(root, 0), vllm_io.chunk_bytes(0, CHUNK))  # its directory
+    mount.settle()
+    for name in ("a", "b"):
+        assert not (mount.path / name).exists()
+    before = scrape(port)
+    for key in range(1, 21):
+        assert not os.access(vllm_io.chunk_path(root, key), os.F_OK)
+    after = scrape(port)
+    miss, lookup = (
+        'kvfs_lookups_total{result="miss"}',
+        ('kvfs_operation_duration_seconds_count{operation="lookup"}'),
+    )
+    assert after[miss] - before[miss] == 20
+    assert after[lookup] - before[lookup] >= 20
+    assert json.loads((mount.path / ".kvfs" / "usage.json").read_text())["lookups"]["miss"] == 20
+
+
 def test_the_latency_histogram_counts_each_request_in_the_first_bucket_that_holds_it() -> None:
     latencies = Latencies(["lookup", "open"])
     for seconds in (5e-6, 1e-5, 2e-5, 3.0, 100.0):  # a bound holds its own value ("le")
