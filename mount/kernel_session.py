@@ -247,6 +247,17 @@ def readdir_reply(
     return True
 
 
+class FastMisses(Protocol):
+    """What an operations object offers for the first-time misses this session answers in C
+    (``_dev_read.answer_miss``; kvfs's: ``mount/lookups.py``)."""
+
+    dirs: dict[int, dict[bytes, Any]]  # directory inode -> its children, by name
+    noted: list[tuple[int, bytes]]  # (directory, name) appended for each miss answered
+    timeout: float  # the negative entry's
+
+    def answered(self, seconds: float) -> None: ...
+
+
 class FuseSession(Protocol):
     """What the daemon uses of a FUSE session: the ``pyfuse3`` module and ``KernelSession``."""
 
@@ -584,7 +595,7 @@ class KernelSession:
         # Requests answered in the receive loop, without a task: see init().
         self._inline: dict[int, Callable[[_Request], Later | None]] = {}
         self._idle_now: Callable[[], None] = _nothing
-        self._fast_misses: Any = None
+        self._fast_misses: FastMisses | None = None
         self._handlers: dict[int, Callable[[_Request], Awaitable[None]]] = {
             Opcode.LOOKUP: self._lookup,
             Opcode.GETATTR: self._getattr,

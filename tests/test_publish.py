@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -81,6 +83,18 @@ def test_renaming_a_closed_file_publishes_it_and_a_write_after_that_is_never_ser
         assert counters["quarantined"] == 1
 
 
+@contextmanager
+def released_later(fd: int) -> Iterator[None]:
+    """``fd`` closed (a FLUSH) while a dup keeps the file open: its RELEASE comes only as the
+    block ends, so what the block does meets a closed file that no release has published."""
+    held = os.dup(fd)
+    os.close(fd)
+    try:
+        yield
+    finally:
+        os.close(held)
+
+
 def test_a_rename_over_a_stored_chunk_returns_once_the_new_bytes_replaced_it(
     fresh_mount: Mount,
 ) -> None:
@@ -93,13 +107,9 @@ def test_a_rename_over_a_stored_chunk_returns_once_the_new_bytes_replaced_it(
     fresh_mount.settle()
     fd = os.open(tmp, os.O_CREAT | os.O_WRONLY, 0o644)
     os.write(fd, b"b" * CHUNK)
-    held = os.dup(fd)
-    os.close(fd)  # a FLUSH; the RELEASE waits for the dup's close
-    try:
+    with released_later(fd):
         os.rename(tmp, final)
         assert (fresh_mount.backing / "k").read_bytes() == b"b" * CHUNK
-    finally:
-        os.close(held)
     fresh_mount.settle()
     assert final.read_bytes() == b"b" * CHUNK and not tmp.exists()
     assert sorted(os.listdir(fresh_mount.backing)) == [".kvfs", "k"]
@@ -117,13 +127,9 @@ def test_a_rewritten_chunk_renamed_over_another_returns_once_its_new_bytes_are_t
     fresh_mount.settle()
     fd = os.open(src, os.O_WRONLY)
     os.pwrite(fd, b"c" * CHUNK, 0)
-    held = os.dup(fd)
-    os.close(fd)  # a FLUSH; the RELEASE waits for the dup's close
-    try:
+    with released_later(fd):
         os.rename(src, dst)
         assert (fresh_mount.backing / "b").read_bytes() == b"c" * CHUNK
-    finally:
-        os.close(held)
     fresh_mount.settle()
     assert dst.read_bytes() == b"c" * CHUNK and not src.exists()
     assert sorted(os.listdir(fresh_mount.backing)) == [".kvfs", "b"]
