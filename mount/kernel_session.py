@@ -1195,7 +1195,7 @@ class KernelSession:
         size = abi.OUT_HEADER.size + sum(map(len, parts))
         header = abi.OUT_HEADER.pack(size, 0, req.unique)
         if len(parts) == 1 and size <= _JOINED:  # one write(2): cheaper than writev's list
-            return self._send(req, [header + bytes(parts[0])])
+            return self._send(req, [header + parts[0]])
         return self._send(req, [header, *parts])
 
     def _reply_error(self, req: _Request, err: int) -> None:
