@@ -59,6 +59,7 @@ class Node:
         "tree_files",
         "uid",
         "verified",
+        "version",
     )
 
     def __init__(self, ino: int, name: bytes, mode: int, uid: int = 0, gid: int = 0) -> None:
@@ -81,6 +82,9 @@ class Node:
         # Its bytes were checked since the daemon started (its own publish, or a read that
         # matched the checksum): --verify first-read lets the kernel read it in passthrough.
         self.verified = False
+        # Bumped as each publish of new bytes under its name begins: a reader's open that saw
+        # it change may hold another version than the one it read the checksum of.
+        self.version = 0
         # On directories: published files and bytes below, kept exact, so per-namespace
         # reports need no walk; and a namespace's parsed config.json, if it has one.
         self.tree_files = 0

@@ -7,7 +7,8 @@ import contextlib
 import errno
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import trio
@@ -138,6 +139,76 @@ class Lock:
 
     def locked(self) -> bool:
         return self._lock.locked()
+
+
+class NamespaceLock:
+    """The namespace lock: held alone across a change of names (the index and the backing
+    store changed together, a name checked free and then taken), or shared by publishes, each
+    of which puts one file under the name it already has (no name another holder may be
+    looking at). Waiters are served in turn: a shared acquirer queues behind a waiting
+    exclusive one. Like ``Lock``, an acquire passes through the scheduler only when it must
+    wait."""
+
+    def __init__(self) -> None:
+        self._shared = 0  # publishes holding it
+        self._alone = False
+        self._waiters: deque[tuple[bool, trio.Event]] = deque()  # (alone, granted)
+
+    def locked(self) -> bool:
+        """Held alone: what a change made in memory, without the lock, must not pass."""
+        return self._alone
+
+    async def __aenter__(self) -> None:
+        await self._acquire(alone=True)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._release(alone=True)
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        await self._acquire(alone=False)
+        try:
+            yield
+        finally:
+            self._release(alone=False)
+
+    def _free_for(self, alone: bool) -> bool:
+        return not self._alone and (not alone or self._shared == 0)
+
+    async def _acquire(self, alone: bool) -> None:
+        if not self._waiters and self._free_for(alone):
+            self._take(alone)
+            return
+        waiter = (alone, trio.Event())
+        self._waiters.append(waiter)
+        try:
+            await waiter[1].wait()
+        except BaseException:
+            if waiter[1].is_set():  # granted as it was cancelled: give it on
+                self._release(alone)
+            else:
+                self._waiters.remove(waiter)
+                self._grant()  # those behind it may go now
+            raise
+
+    def _take(self, alone: bool) -> None:
+        if alone:
+            self._alone = True
+        else:
+            self._shared += 1
+
+    def _release(self, alone: bool) -> None:
+        if alone:
+            self._alone = False
+        else:
+            self._shared -= 1
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters and self._free_for(self._waiters[0][0]):
+            alone, granted = self._waiters.popleft()
+            self._take(alone)
+            granted.set()
 
 
 class ByteBudget:

@@ -45,7 +45,7 @@ from kvfs.config import MountConfig
 from kvfs.index import Index, Node
 from kvfs.io_queues import DualQueuePool, Queue
 from kvfs.mount import shared
-from kvfs.mount.bridge import IO, ByteBudget, Detached, Future, Lock, NeedsIO
+from kvfs.mount.bridge import IO, ByteBudget, Detached, Future, Lock, NamespaceLock, NeedsIO
 from kvfs.mount.eviction import EvictionReason, Evictor
 from kvfs.mount.sealer import Sealer
 from kvfs.mount.share import Share
@@ -203,6 +203,7 @@ class WriteState:
     # still open: a write after that (through a dup of it) changed it behind its checksum.
     published_as: tuple[int, int] | None = None
     renaming: int = 0  # renames that gave the closed file its final name and wait for its publish
+    committing: bool = False  # its publish is putting it under its name: renames wait
 
     def changed(self) -> None:
         self.dirty = True
@@ -259,14 +260,15 @@ class Objects:
             self.share = Share(self, cfg.lease_ttl)
             self.evictor.shared = self.share
         # Created in start(), once trio is running.
-        self._ns: Lock
+        self._ns: NamespaceLock
         self.io: IO
         self._detached: Detached
 
     def start(self, nursery: trio.Nursery) -> None:
         """Begin serving in ``nursery`` (the eviction sweep, the recency writer and detached
         operations run there)."""
-        self._ns = Lock()  # held across a namespace change: index and backing together
+        # Held across a namespace change (index and backing together); shared by publishes.
+        self._ns = NamespaceLock()
         self.io = IO(self.pool)
         self._detached = Detached(nursery)
         if self.share is None:
@@ -414,6 +416,13 @@ class Objects:
 
     # -- names ------------------------------------------------------------------------------
 
+    def _ns_shared(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """The namespace lock for a change that takes no name another holder may have checked
+        (a publish under the file's own name, a change made in memory at once): shared; alone
+        on a shared backing directory, where the share's journal and the other hosts' files
+        take one change at a time."""
+        return self._ns.shared() if self.share is None else self._ns
+
     def _attached(self, node: Node) -> bytes:
         """The node's relative path; ENOENT if it left the tree meanwhile."""
         if not node.attached:
@@ -470,7 +479,7 @@ class Objects:
             return await self.make_node(parent, name, make, owner)
 
         async def op() -> Node:
-            async with self._ns:
+            async with self._ns.shared():  # made at once: no change of names under way
                 return self._dir_in_index(parent, name, mode, owner)
 
         return await self.bounded(op)
@@ -554,6 +563,9 @@ class Objects:
 
     async def unlink(self, parent: Node, name: bytes) -> None:
         async def op() -> None:
+            async with self._ns_shared():  # a name only the index has goes at once
+                if self._unlinked_in_memory(parent, name):
+                    return
             async with self._ns:
                 node = self._child(parent, name)
                 if node.is_dir:
@@ -564,22 +576,34 @@ class Objects:
 
         await self.bounded(op)
 
+    def _unlinked_in_memory(self, parent: Node, name: bytes) -> bool:
+        """Unlink a file that is not on the backing store (not published yet, its publish not
+        under way) from the index alone; False for any other."""
+        node = self._child(parent, name)
+        if node.is_dir:
+            raise fail(errno.EISDIR)
+        if node.on_backing or self._committing(node):
+            return False
+        self.index.unlink(parent, name)
+        return True
+
     async def rename(
         self, old_parent: Node, old_name: bytes, new_parent: Node, new_name: bytes, noreplace: bool
     ) -> None:
         async def op() -> None:
-            async with self._ns:
-                node, target = self._renaming(old_parent, old_name, new_parent, new_name, noreplace)
-                # The engine's store: its closed temp file, renamed to the chunk's name. The
-                # rename returns once it is published: it must survive a kill -9 of the daemon.
-                closed = self._closed_write(node)
-                if closed is not None and self._renames_in_memory(node, target, new_parent):
-                    self.index.move(old_parent, old_name, new_parent, new_name)
-                    closed.renaming += 1
-                else:
-                    closed = None
-            if closed is not None:
-                await self._publish_closed(node, closed)
+            # The engine's store: its closed temp file, renamed to the chunk's name, in memory
+            # where it can (waiting for changes of names only). The rename returns once the
+            # file is published: it must survive a kill -9 of the daemon.
+            moved = None
+            async with self._ns_shared():
+                with contextlib.suppress(NeedsIO):
+                    moved = self._moved_in_memory(
+                        old_parent, old_name, new_parent, new_name, noreplace
+                    )
+            if moved is not None:
+                node, closed = moved
+                if closed is not None:
+                    await self._publish_closed(node, closed)
                 return
             async with self._ns:
                 node, target = self._renaming(old_parent, old_name, new_parent, new_name, noreplace)
@@ -664,18 +688,32 @@ class Objects:
         changes. A file written since its last close is done (its last release publishes it
         under the new name): None. For a closed one, or one its release is publishing, the
         returned wait publishes it or waits for that publish, within the deadline; the rename
-        is answered once it ends. NeedsIO for any other rename."""
+        is answered once it ends. NeedsIO for any other rename, and while a change of names
+        or the file's own publish holds the namespace lock."""
         if self._ns.locked() or self.share is not None:
             raise NeedsIO()
+        node, closed = self._moved_in_memory(old_parent, old_name, new_parent, new_name, noreplace)
+        if closed is None:
+            return None
+        return partial(self.bounded, partial(self._publish_closed, node, closed))
+
+    def _moved_in_memory(
+        self, old_parent: Node, old_name: bytes, new_parent: Node, new_name: bytes, noreplace: bool
+    ) -> tuple[Node, WriteState | None]:
+        """Rename a file not published yet to a free name in the index only: the file, and
+        the closed write state whose publish the rename waits for (None: its last release
+        publishes it under the new name). NeedsIO for any other rename, and while the file's
+        own publish puts it under its old name."""
         node, target = self._renaming(old_parent, old_name, new_parent, new_name, noreplace)
         if not self._renames_in_memory(node, target, new_parent):
             raise NeedsIO()
         closed = self._being_published(node) or self._closed_write(node)
+        if closed is not None and closed.committing:  # its path is on its way to the disk
+            raise NeedsIO()
         self.index.move(old_parent, old_name, new_parent, new_name)
-        if closed is None:
-            return None
-        closed.renaming += 1  # before its RELEASE's publish begins, as a rule: sealed as placed
-        return partial(self.bounded, partial(self._publish_closed, node, closed))
+        if closed is not None:
+            closed.renaming += 1  # before its RELEASE's publish begins, as a rule: sealed as placed
+        return node, closed
 
     def _renames_in_memory(self, node: Node, target: Node | None, new_parent: Node) -> bool:
         """Whether a rename of ``node`` changes only the index: a file not on the backing store
@@ -692,6 +730,11 @@ class Objects:
         index gives it when it places it."""
         ws = self.writes.get(node.ino)
         return ws if ws is not None and not node.on_backing and ws.lock.locked() else None
+
+    def _committing(self, node: Node) -> bool:
+        """Whether a publish is putting the file's new bytes under its name now."""
+        ws = self.writes.get(node.ino)
+        return ws is not None and ws.committing
 
     def _closed_write(self, node: Node) -> WriteState | None:
         """The write state of a file whose writer closed it (FLUSH) and wrote nothing since,
@@ -859,12 +902,22 @@ class Objects:
 
         async def op() -> tuple[Node, bool]:
             # Under the lock: mkdir/rename/rmdir check a name, await the disk, then change the
-            # index, and a create must not slip in between.
-            async with self._ns:
+            # index, and a create must not slip in between. Shared: the name is checked again
+            # once the temp file came, as a create or mkdir may have taken it meanwhile.
+            async with self._ns_shared():
                 existing = self._existing(parent, name, exclusive)
+                file = None
+                if existing is None and passthrough:
+                    file = await self._new_tmp(mode)
+                    try:  # a create or mkdir may have taken the name meanwhile
+                        existing = self._existing(parent, name, exclusive)
+                    except OSError:
+                        self._spare_tmps.append(file)  # unused: a spare again
+                        raise
+                    if existing is not None:
+                        self._spare_tmps.append(file)
                 if existing is not None:
                     return existing, False
-                file = await self._new_tmp(mode) if passthrough else None
                 return self._new_file(parent, name, mode, owner, direct, file), True
 
         return await self.bounded(
@@ -1269,65 +1322,78 @@ class Objects:
         """Rename a temp file over the node's name: whether it replaced a version, and the
         prepared file as published. ``seal`` (a passthrough file not sealed yet: with its
         checksum or not): sealed first, in the trip that places it where it can be; None if
-        it changed since its close."""
-        async with self._ns:
-            placed = False
-            if seal is not None:
-                sealed = await self._seal_to_place(node, ws, prepared, seal)
-                if sealed is None:
-                    return None
-                prepared, placed = sealed
-            pub = prepared.published
-            assert pub is not None
-            if not node.attached:  # unlinked, or renamed over, before its publish
-                node.size, node.blocks = pub.size, pub.blocks  # what its readers still read
-                if node.lookups or node.open_count:
-                    # The kernel may still open it through a name it resolved before: its bytes
-                    # wait where a retired file's do (`_retire`), uncharged, until the kernel
-                    # forgets it (`_released`).
-                    await self.io.read(
-                        self.store.rename, pub.tmp, self.store.unlinked_path(node.ino)
-                    )
-                    node.on_backing, node.checksum, node.verified = True, pub.checksum, True
-                    ws.dirty = False
-                else:
-                    self._discard_tmp(ws, prepared)  # the room held: released by _publish
-                return False, prepared
-            rel = self.index.path(node)
+        it changed since its close.
+
+        Publishes share the namespace lock (each puts one file under its own name; two making
+        the same directory is harmless): concurrent stores place their files in parallel
+        trips. Not on a shared backing directory, where a publish may take another host's
+        file instead."""
+        async with self._ns_shared():
+            node.version += 1
+            ws.committing = True
             try:
-                found = None if placed else await self._place(node, pub.tmp, rel)
-            except BaseException:
-                self._discard_tmp(ws, prepared)
-                raise
-            if found is not None:  # another host published this name first: theirs stays
+                return await self._commit_locked(node, ws, prepared, seal)
+            finally:
+                ws.committing = False
+
+    async def _commit_locked(
+        self, node: Node, ws: WriteState, prepared: Prepared, seal: bool | None
+    ) -> tuple[bool, Prepared] | None:
+        placed = False
+        if seal is not None:
+            sealed = await self._seal_to_place(node, ws, prepared, seal)
+            if sealed is None:
+                return None
+            prepared, placed = sealed
+        pub = prepared.published
+        assert pub is not None
+        if not node.attached:  # unlinked, or renamed over, before its publish
+            node.size, node.blocks = pub.size, pub.blocks  # what its readers still read
+            if node.lookups or node.open_count:
+                # The kernel may still open it through a name it resolved before: its bytes
+                # wait where a retired file's do (`_retire`), uncharged, until the kernel
+                # forgets it (`_released`).
+                await self.io.read(self.store.rename, pub.tmp, self.store.unlinked_path(node.ino))
+                node.on_backing, node.checksum, node.verified = True, pub.checksum, True
                 ws.dirty = False
-                return self._lost_race(node, pub.checksum or "", found), prepared
-            attrs = self._file_attrs(node)
-            if attrs != prepared.attrs:  # chmod, chown, touch after its close
-                mode, uid, gid, times = attrs
-                await self.io.read(self.store.set_attrs, rel, mode, (uid, gid), times)
-            for parent, _ in node.links:
-                await self._make_dirs(parent)
-            for alias in self.index.paths(node)[1:]:  # hard links: every name, the new bytes
-                await self.io.read(self.store.relink, rel, alias)
-            rewritten = node.on_backing
-            node.on_backing = True
-            node.rewritten = node.rewritten or rewritten
-            node.checksum = pub.checksum
-            node.verified = True  # checksummed by this daemon as it published
-            if not node.hits:  # never read: as recent as its write (what a restart sees)
-                node.last_read_ns = node.mtime_ns
-            if namespaces.is_namespace_config(node) and node.parent is not None:
-                config = await self._read_unpublished(ws, 0, namespaces.CONFIG_MAX_BYTES + 1)
-                node.parent.meta = namespaces.parse_config(config)
-            self.index.set_published(node, pub.size, pub.blocks)
-            if self.share is not None and not node.links:
-                self.share.published(rel, pub.size)
+            else:
+                self._discard_tmp(ws, prepared)  # the room held: released by _publish
+            return False, prepared
+        rel = self.index.path(node)
+        try:
+            found = None if placed else await self._place(node, pub.tmp, rel)
+        except BaseException:
+            self._discard_tmp(ws, prepared)
+            raise
+        if found is not None:  # another host published this name first: theirs stays
             ws.dirty = False
-            self.counters.publishes += 1
-            self.counters.bytes_written += pub.size
-            self.listener.stored(node)
-            return rewritten, prepared
+            return self._lost_race(node, pub.checksum or "", found), prepared
+        attrs = self._file_attrs(node)
+        if attrs != prepared.attrs:  # chmod, chown, touch after its close
+            mode, uid, gid, times = attrs
+            await self.io.read(self.store.set_attrs, rel, mode, (uid, gid), times)
+        for parent, _ in node.links:
+            await self._make_dirs(parent)
+        for alias in self.index.paths(node)[1:]:  # hard links: every name, the new bytes
+            await self.io.read(self.store.relink, rel, alias)
+        rewritten = node.on_backing
+        node.on_backing = True
+        node.rewritten = node.rewritten or rewritten
+        node.checksum = pub.checksum
+        node.verified = True  # checksummed by this daemon as it published
+        if not node.hits:  # never read: as recent as its write (what a restart sees)
+            node.last_read_ns = node.mtime_ns
+        if namespaces.is_namespace_config(node) and node.parent is not None:
+            config = await self._read_unpublished(ws, 0, namespaces.CONFIG_MAX_BYTES + 1)
+            node.parent.meta = namespaces.parse_config(config)
+        self.index.set_published(node, pub.size, pub.blocks)
+        if self.share is not None and not node.links:
+            self.share.published(rel, pub.size)
+        ws.dirty = False
+        self.counters.publishes += 1
+        self.counters.bytes_written += pub.size
+        self.listener.stored(node)
+        return rewritten, prepared
 
     async def _seal_to_place(
         self, node: Node, ws: WriteState, prepared: Prepared, with_checksum: bool
@@ -1572,8 +1638,20 @@ class Objects:
         self._recency_dirty[node.ino] = node  # persisted by persist_recency_forever
 
     async def _open_backing(self, node: Node, direct: bool = True) -> Reader:
-        """The exact version the index describes, and the checksum of that version."""
-        async with self._ns:  # no rename or publish may change the version meanwhile
+        """The exact version the index describes, and the checksum of that version. The
+        namespace lock keeps its name in place; shared with the publishes of other files (the
+        sealer's and the scrub's opens, and served reads, do not wait for every store), alone
+        where one of this file may change the version meanwhile."""
+        if self.store.host is None:
+            async with self._ns.shared():
+                if not self._committing(node):
+                    version = node.version
+                    rel = self._backing_rel(node)
+                    fd = await self.io.read(self.store.open_reader, rel, direct)
+                    if node.version == version:
+                        return Reader(fd, node.checksum)
+                    self.close_later(fd)  # published again meanwhile: opened again, alone
+        async with self._ns:
             try:
                 fd = await self.io.read(self.store.open_reader, self._backing_rel(node), direct)
                 return Reader(fd, node.checksum)

@@ -70,6 +70,17 @@ def test_a_read_from_a_stalled_store_fails_within_the_deadline_and_others_are_se
         os.path.basename(p) for p in paths
     )
     assert time.monotonic() - start < 0.5
+    # Nor does the reader's open, still waiting on the store, hold up names only the index
+    # has: a new file is created, renamed while open and removed at once.
+    start = time.monotonic()
+    fd = os.open(outer.path / "new.tmp", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    try:
+        os.rename(outer.path / "new.tmp", outer.path / "new.bin")
+        os.unlink(outer.path / "new.bin")
+        assert time.monotonic() - start < 0.5
+    finally:
+        with contextlib.suppress(OSError):  # its (empty) bytes may meet the stall
+            os.close(fd)
     # A write is buffered, then its publish meets the stall: close() fails within the deadline.
     start = time.monotonic()
     with pytest.raises(OSError) as err:

@@ -77,3 +77,24 @@ def test_two_processes_of_16_threads_on_overlapping_keys(kv_mount: Mount) -> Non
             key, 256 << 10
         )
     assert not [p for p in Path(root).rglob("*.tmp")]
+
+
+def test_concurrent_direct_stores_into_new_directories_land_whole(fresh_mount: Mount) -> None:
+    """16 threads store at once into directories none of them has made yet (their publishes
+    share the namespace lock and race to make the same directories on the backing store):
+    every chunk lands whole under its name, and a restarted daemon serves each verified."""
+    root, size = str(fresh_mount.path), 256 << 10
+    keys = [(i << 244) | t for i in range(8) for t in range(16)]  # 16 to each new directory
+
+    def store(key: int) -> bool:
+        return vllm_io.store(vllm_io.chunk_path(root, key), vllm_io.chunk(key, size), True)
+
+    with ThreadPoolExecutor(16) as pool:
+        assert all(pool.map(store, keys))
+    for key in keys:
+        backing = fresh_mount.on_backing(vllm_io.chunk_path(root, key))
+        assert backing.read_bytes() == vllm_io.chunk_bytes(key, size)
+    assert not [p for p in fresh_mount.backing.rglob("*.tmp")]
+    fresh_mount.restart()
+    for key in keys:
+        assert vllm_io.load(vllm_io.chunk_path(root, key), size) == vllm_io.chunk_bytes(key, size)
