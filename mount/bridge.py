@@ -143,14 +143,14 @@ class Lock:
 
 class NamespaceLock:
     """The namespace lock: held alone across a change of names (the index and the backing
-    store changed together, a name checked free and then taken), or shared by publishes, each
-    of which puts one file under the name it already has (no name another holder may be
-    looking at). Waiters are served in turn: a shared acquirer queues behind a waiting
-    exclusive one. Like ``Lock``, an acquire passes through the scheduler only when it must
-    wait."""
+    store changed together, a name checked free and then taken), or shared by what takes no
+    name another holder may have checked (a publish under the file's own name, a reader's open,
+    a change made in memory at once). Waiters are served in turn: a shared acquirer queues
+    behind a waiting exclusive one. Like ``Lock``, an acquire passes through the scheduler
+    only when it must wait."""
 
     def __init__(self) -> None:
-        self._shared = 0  # publishes holding it
+        self._shared = 0  # holders sharing it
         self._alone = False
         self._waiters: deque[tuple[bool, trio.Event]] = deque()  # (alone, granted)
 
