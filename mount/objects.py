@@ -479,7 +479,7 @@ class Objects:
             return await self.make_node(parent, name, make, owner)
 
         async def op() -> Node:
-            async with self._ns.shared():  # made at once: no change of names under way
+            async with self._ns_shared():  # made at once: no change of names under way
                 return self._dir_in_index(parent, name, mode, owner)
 
         return await self.bounded(op)
