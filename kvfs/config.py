@@ -161,6 +161,10 @@ class MountConfig:
     # cost the disk a second trip while the writers wait on it. The sealer takes them when
     # the writers pause (mount/sealer.py). 0: every such publish reads its file back itself.
     checksum_backlog_bytes: int = 1 << 30
+    # A new file closed and not yet renamed waits this long for the rename that follows the
+    # close in a temp-then-rename store (vLLM's) before its last release publishes it under the
+    # name it has: the rename then publishes it under the new name in one step (0: at once).
+    rename_wait: float = 0.02
     # How long the kernel may cache names, misses and attributes. Safe to make long: every
     # change goes through the daemon, which invalidates what it changes behind the kernel.
     cache_timeout: float = 3600.0
@@ -183,6 +187,8 @@ class MountConfig:
             raise ConfigError("scrub_bytes_per_second: must be zero (off) or more")
         if self.checksum_backlog_bytes < 0:
             raise ConfigError("checksum_backlog_bytes: must be zero (off) or more")
+        if not 0 <= self.rename_wait <= 10:
+            raise ConfigError("rename_wait: must be 0 to 10 seconds")
         if self.cache_timeout < 0:
             raise ConfigError("cache_timeout: must be zero or more seconds")
         parse_capacity(self.capacity, 1 << 40)  # the syntax; the daemon resolves percentages

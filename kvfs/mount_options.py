@@ -152,6 +152,17 @@ OPTIONS: tuple[Option, ...] = (
         metavar="SIZE",
     ),
     Option(
+        "rename-wait",
+        "seconds a new file, once closed, waits for a rename before its last release "
+        "publishes it under the name it has (0: at once); a rename meanwhile publishes it "
+        "under the new name in one step, as the engine's temp-then-rename stores do (0-10)",
+        field="rename_wait",
+        parse=_seconds,
+        show=lambda value: f"{value:g}",
+        unit="s",
+        metavar="SECONDS",
+    ),
+    Option(
         "cache-timeout",
         "seconds the kernel may cache names, misses and attributes (the daemon invalidates "
         "what it changes, so long is safe)",

@@ -57,9 +57,11 @@ T = TypeVar("T")
 # A publish that meets a full backing disk evicts and tries again, this many times at most.
 DISK_FULL_RETRIES = 8
 RECENCY_PERSIST_SECONDS = 1.0
-# Temp files opened ahead for passthrough creates: a create then waits on no I/O. Refilled
-# half at a time, in one trip to the I/O pool. Crash-safe: the next mount empties .kvfs/spare.
-SPARE_TMPS = 8
+# Temp files opened ahead for passthrough creates: a create then waits on no I/O (8 left some of
+# 16 threads storing at once to open their own, in a trip made under the directory's lock in
+# the kernel). Refilled half at a time, in one trip to the I/O pool. Crash-safe: the next
+# mount empties .kvfs/spare.
+SPARE_TMPS = 32
 # A passthrough file written O_DIRECT smaller than this is checksummed at its publish, not left
 # to the sealer: reading it back costs the disk little, and the sealer's later open, read and
 # lock cost the event loop more than the publish's read does (4 KiB stores: ~8 % less daemon
@@ -203,6 +205,7 @@ class WriteState:
     # still open: a write after that (through a dup of it) changed it behind its checksum.
     published_as: tuple[int, int] | None = None
     renaming: int = 0  # renames that gave the closed file its final name and wait for its publish
+    renamed: trio.Event | None = None  # set by such a rename while its last release waits for one
     committing: bool = False  # its publish is putting it under its name: renames wait
 
     def changed(self) -> None:
@@ -713,6 +716,8 @@ class Objects:
         self.index.move(old_parent, old_name, new_parent, new_name)
         if closed is not None:
             closed.renaming += 1  # before its RELEASE's publish begins, as a rule: sealed as placed
+            if closed.renamed is not None:
+                closed.renamed.set()
         return node, closed
 
     def _renames_in_memory(self, node: Node, target: Node | None, new_parent: Node) -> bool:
@@ -1121,6 +1126,7 @@ class Objects:
             return
         self.releasing += 1
         try:
+            await self._await_rename(node, ws)
             await self.bounded(partial(self._release_writer, node, ws))
         except OSError as err:
             # A failed publish was counted and logged where it failed; past the deadline (which
@@ -1128,6 +1134,25 @@ class Objects:
             log.debug("last release of %s: %s", self._name(node), err)
         finally:
             self.releasing -= 1
+
+    async def _await_rename(self, node: Node, ws: WriteState) -> None:
+        """Give a new file, closed and not renamed yet, ``--rename-wait`` for the rename that
+        follows the close in a temp-then-rename store: that rename names it in memory and
+        publishes it under the new name in one trip (``_publish_closed``), and this release
+        finds nothing left to do. Published at once instead, the file took two trips under its
+        temp name (seal, place) and the rename a third to move it, waiting on the last two,
+        alone on the namespace lock and, in the kernel, holding its directory's lock. With 16
+        threads storing into one directory, most renames came after the release had begun
+        (docs/benchmarks.md, session 19)."""
+        wait = self.cfg.rename_wait
+        if not wait or ws.writers != 1 or ws.renaming or node.on_backing:
+            return
+        if self._closed_write(node) is not ws:
+            return
+        ws.renamed = trio.Event()
+        with trio.move_on_after(wait):
+            await ws.renamed.wait()
+        ws.renamed = None
 
     async def _release_writer(self, node: Node, ws: WriteState) -> None:
         gone: Node | None = None

@@ -88,6 +88,9 @@ def test_config_errors_name_the_key() -> None:
         MountConfig(Path("/m"), Path("/b"), io_timeout=-1)
     with pytest.raises(ConfigError, match="read_threads"):
         MountConfig(Path("/m"), Path("/b"), read_threads=0)
+    for wait in (-0.1, 11.0, float("nan")):
+        with pytest.raises(ConfigError, match="rename_wait"):
+            MountConfig(Path("/m"), Path("/b"), rename_wait=wait)
 
 
 def test_engine_temp_names() -> None:

@@ -381,8 +381,9 @@ LONG_SEAL = 64 << 20
 
 @pytest.fixture
 def long_seals(tmp_path: Path) -> Iterator[Mount]:
+    """A release publishes at once (no wait for a rename): the rename comes during its seal."""
     options = ("--session", "kernel", "--verify", "first-read", "--scrub-rate", "0")
-    mount = make_mount(tmp_path, *options, "--checksum-backlog", "0")
+    mount = make_mount(tmp_path, *options, "--checksum-backlog", "0", "--rename-wait", "0")
     mount.start()
     try:
         yield mount

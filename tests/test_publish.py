@@ -13,12 +13,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount
+from tests.conftest import Mount, make_mount
 from tests.test_integrity import flip_byte
 from tools import vllm_io
 
@@ -81,6 +83,34 @@ def test_renaming_a_closed_file_publishes_it_and_a_write_after_that_is_never_ser
     else:  # the kernel wrote the published file itself
         assert not (fresh_mount.backing / "f").exists()
         assert counters["quarantined"] == 1
+
+
+def test_a_closed_temp_file_waits_for_its_rename_and_is_published_under_the_new_name_only(
+    tmp_path: Path,
+) -> None:
+    """The engine's store: temp file, close(), rename. The release that the close sends waits
+    (``--rename-wait``) for the rename, which then publishes the file under the chunk's name in
+    one step: the temp name never reaches the backing store, the rename returns with the chunk
+    in place (it outlives a kill -9), and the waiting release ends with it, not at the wait's
+    end."""
+    mount = make_mount(tmp_path, "--rename-wait", "10").start()
+    try:
+        tmp, final = mount.path / "c.bin_1.tmp", mount.path / "c.bin"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        os.write(fd, b"c" * CHUNK)
+        os.close(fd)
+        time.sleep(0.3)  # its RELEASE came, and waits
+        assert not (mount.backing / tmp.name).exists()
+        os.rename(tmp, final)
+        assert (mount.backing / final.name).read_bytes() == b"c" * CHUNK  # as it returned
+        assert not (mount.backing / tmp.name).exists()
+        assert publishes(mount) == 1
+        mount.settle(timeout=5)  # the release ended with the rename (else: 10 s)
+        mount.kill()
+        mount.start()
+        assert final.read_bytes() == b"c" * CHUNK
+    finally:
+        mount.stop()
 
 
 @contextmanager
