@@ -161,9 +161,9 @@ class MountConfig:
     # cost the disk a second trip while the writers wait on it. The sealer takes them when
     # the writers pause (mount/sealer.py). 0: every such publish reads its file back itself.
     checksum_backlog_bytes: int = 1 << 30
-    # A new file closed and not yet renamed waits this long for the rename that follows the
-    # close in a temp-then-rename store (vLLM's) before its last release publishes it under the
-    # name it has: the rename then publishes it under the new name in one step (0: at once).
+    # A store's temp file (<chunk>.bin_<digits>.tmp, vLLM's), closed and not yet renamed, waits
+    # this long for its rename before its last release publishes it under the temp name: the
+    # rename then publishes it under the chunk's name in one step (0: at once).
     rename_wait: float = 0.02
     # How long the kernel may cache names, misses and attributes. Safe to make long: every
     # change goes through the daemon, which invalidates what it changes behind the kernel.

@@ -153,9 +153,9 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "rename-wait",
-        "seconds a new file, once closed, waits for a rename before its last release "
-        "publishes it under the name it has (0: at once); a rename meanwhile publishes it "
-        "under the new name in one step, as the engine's temp-then-rename stores do (0-10)",
+        "seconds a store's temp file (<chunk>.bin_<digits>.tmp), once closed, waits for its "
+        "rename before its last release publishes it under the temp name (0: at once); the "
+        "rename then publishes it under the chunk's name in one step (0-10)",
         field="rename_wait",
         parse=_seconds,
         show=lambda value: f"{value:g}",

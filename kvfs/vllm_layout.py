@@ -21,7 +21,9 @@ CONFIG_NAME = CONFIG_FILE.encode()
 _DATA_DIR = re.compile(rb"^(?P<config_dir>.+)_r(?P<rank>\d+)$")
 _CHUNK = re.compile(rb"^([0-9a-f]{32}|[0-9a-f]{64})\.bin$")
 _GROUP = re.compile(rb"_g(\d+)$")
-_ENGINE_TEMP = re.compile(rb"^(?:.+\.bin_\d+|\.o_direct_probe_\d+)\.tmp$")
+_STORE_TEMP = rb".+\.bin_\d+\.tmp"  # temp_name's
+_A_STORE_TEMP = re.compile(_STORE_TEMP)
+_ENGINE_TEMP = re.compile(rb"^(?:" + _STORE_TEMP + rb"|\.o_direct_probe_\d+\.tmp)$")
 
 
 def namespace(model_name: str, digest: str) -> str:
@@ -67,6 +69,11 @@ def temp_name(path: str) -> str:
 
 def o_direct_probe_name() -> str:
     return f".o_direct_probe_{random.randint(0, 2**63 - 1)}.tmp"
+
+
+def is_store_temp(name: bytes) -> bool:
+    """A store's temp file (``temp_name``): renamed to the chunk's name once closed."""
+    return _A_STORE_TEMP.fullmatch(name) is not None
 
 
 def is_engine_temp(name: bytes) -> bool:

@@ -38,7 +38,7 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
-from kvfs import layout, namespaces, process
+from kvfs import layout, namespaces, process, vllm_layout
 from kvfs.buffers import EXTENT, ChunkBuffer, ExtentPool, extents_for
 from kvfs.checksum import ChecksumMismatch
 from kvfs.config import MountConfig
@@ -1136,18 +1136,19 @@ class Objects:
             self.releasing -= 1
 
     async def _await_rename(self, node: Node, ws: WriteState) -> None:
-        """Give a new file, closed and not renamed yet, ``--rename-wait`` for the rename that
-        follows the close in a temp-then-rename store: that rename names it in memory and
-        publishes it under the new name in one trip (``_publish_closed``), and this release
-        finds nothing left to do. Published at once instead, the file took two trips under its
-        temp name (seal, place) and the rename a third to move it, waiting on the last two,
-        alone on the namespace lock and, in the kernel, holding its directory's lock. With 16
-        threads storing into one directory, most renames came after the release had begun
-        (docs/benchmarks.md, session 19)."""
+        """Give a store's temp file (``vllm_layout.is_store_temp``), closed and not renamed
+        yet, ``--rename-wait`` for the rename that follows its close: that rename names it in
+        memory and publishes it under the chunk's name in one trip (``_publish_closed``), and
+        this release finds nothing left to do. (Any other file is published at once: a reader
+        may open it under the name it has.) Published at once, the temp file took two trips
+        under its own name (seal, place) and the rename a third to move it, waiting on the
+        last two, alone on the namespace lock and, in the kernel, holding its directory's
+        lock. With 16 threads storing into one directory, most renames came after the release
+        had begun (docs/benchmarks.md, session 19)."""
         wait = self.cfg.rename_wait
-        if not wait or ws.writers != 1 or ws.renaming or node.on_backing:
+        if not wait or ws.writers != 1 or ws.renaming or node.on_backing or not node.attached:
             return
-        if self._closed_write(node) is not ws:
+        if not vllm_layout.is_store_temp(node.name) or self._closed_write(node) is not ws:
             return
         ws.renamed = trio.Event()
         with trio.move_on_after(wait):

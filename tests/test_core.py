@@ -98,6 +98,10 @@ def test_engine_temp_names() -> None:
     assert vllm_layout.is_engine_temp(b".o_direct_probe_42.tmp")
     assert not vllm_layout.is_engine_temp(b"ab" * 32 + b".bin")
     assert not vllm_layout.is_engine_temp(b"notes.tmp")
+    # a store's temp file waits for its rename (--rename-wait); a probe is never renamed
+    assert vllm_layout.is_store_temp(b"ab" * 32 + b".bin_123456789.tmp")
+    assert not vllm_layout.is_store_temp(b".o_direct_probe_42.tmp")
+    assert not vllm_layout.is_store_temp(b"ab" * 32 + b".bin")
 
 
 def test_index_keeps_totals_and_paths() -> None:
