@@ -205,7 +205,8 @@ class WriteState:
     # still open: a write after that (through a dup of it) changed it behind its checksum.
     published_as: tuple[int, int] | None = None
     renaming: int = 0  # renames that gave the closed file its final name and wait for its publish
-    renamed: trio.Event | None = None  # set by such a rename while its last release waits for one
+    # Set to end its last release's wait for a rename (``_await_rename``): renamed, or unlinked.
+    wait_over: trio.Event | None = None
     committing: bool = False  # its publish is putting it under its name: renames wait
 
     def changed(self) -> None:
@@ -588,6 +589,7 @@ class Objects:
         if node.on_backing or self._committing(node):
             return False
         self.index.unlink(parent, name)
+        self._end_rename_wait(node)
         return True
 
     async def rename(
@@ -716,9 +718,15 @@ class Objects:
         self.index.move(old_parent, old_name, new_parent, new_name)
         if closed is not None:
             closed.renaming += 1  # before its RELEASE's publish begins, as a rule: sealed as placed
-            if closed.renamed is not None:
-                closed.renamed.set()
+        self._end_rename_wait(node)
         return node, closed
+
+    def _end_rename_wait(self, node: Node) -> None:
+        """A release that waits for the file's rename (``_await_rename``) goes on: the file
+        was renamed, or unlinked (no rename will come)."""
+        ws = self.writes.get(node.ino)
+        if ws is not None and ws.wait_over is not None:
+            ws.wait_over.set()
 
     def _renames_in_memory(self, node: Node, target: Node | None, new_parent: Node) -> bool:
         """Whether a rename of ``node`` changes only the index: a file not on the backing store
@@ -1139,21 +1147,23 @@ class Objects:
         """Give a store's temp file (``vllm_layout.is_store_temp``), closed and not renamed
         yet, ``--rename-wait`` for the rename that follows its close: that rename names it in
         memory and publishes it under the chunk's name in one trip (``_publish_closed``), and
-        this release finds nothing left to do. (Any other file is published at once: a reader
-        may open it under the name it has.) Published at once, the temp file took two trips
-        under its own name (seal, place) and the rename a third to move it, waiting on the
-        last two, alone on the namespace lock and, in the kernel, holding its directory's
-        lock. With 16 threads storing into one directory, most renames came after the release
-        had begun (docs/benchmarks.md, session 19)."""
+        this release finds nothing left to do. An unlink ends the wait too. Any other file is
+        published at once: a reader may open it under the name it has.
+
+        Published at once, the temp file took two trips under its own name (seal, place) and
+        the rename a third to move it, waiting on the last two, alone on the namespace lock
+        and, in the kernel, holding its directory's lock. With 16 threads storing into one
+        directory, most renames came after the release had begun (docs/benchmarks.md,
+        session 19)."""
         wait = self.cfg.rename_wait
         if not wait or ws.writers != 1 or ws.renaming or node.on_backing or not node.attached:
             return
         if not vllm_layout.is_store_temp(node.name) or self._closed_write(node) is not ws:
             return
-        ws.renamed = trio.Event()
+        ws.wait_over = trio.Event()
         with trio.move_on_after(wait):
-            await ws.renamed.wait()
-        ws.renamed = None
+            await ws.wait_over.wait()
+        ws.wait_over = None
 
     async def _release_writer(self, node: Node, ws: WriteState) -> None:
         gone: Node | None = None

@@ -92,7 +92,7 @@ def test_a_closed_temp_file_waits_for_its_rename_and_is_published_under_the_new_
     (``--rename-wait``) for the rename, which then publishes the file under the chunk's name in
     one step: the temp name never reaches the backing store, the rename returns with the chunk
     in place (it outlives a kill -9), and the waiting release ends with it, not at the wait's
-    end."""
+    end; as it does with an unlink of the temp file (a store that gave up)."""
     mount = make_mount(tmp_path, "--rename-wait", "10").start()
     try:
         tmp, final = mount.path / "c.bin_1.tmp", mount.path / "c.bin"
@@ -106,6 +106,12 @@ def test_a_closed_temp_file_waits_for_its_rename_and_is_published_under_the_new_
         assert not (mount.backing / tmp.name).exists()
         assert publishes(mount) == 1
         mount.settle(timeout=5)  # the release ended with the rename (else: 10 s)
+        given_up = mount.path / "d.bin_2.tmp"  # a store that failed: it unlinks its temp file
+        given_up.write_bytes(b"d" * CHUNK)
+        time.sleep(0.3)
+        given_up.unlink()
+        mount.settle(timeout=5)  # no rename will come: the release ended with the unlink
+        assert publishes(mount) == 1 and not (mount.backing / given_up.name).exists()
         mount.kill()
         mount.start()
         assert final.read_bytes() == b"c" * CHUNK
