@@ -22,7 +22,7 @@ _DATA_DIR = re.compile(rb"^(?P<config_dir>.+)_r(?P<rank>\d+)$")
 _CHUNK = re.compile(rb"^([0-9a-f]{32}|[0-9a-f]{64})\.bin$")
 _GROUP = re.compile(rb"_g(\d+)$")
 _STORE_TEMP = rb".+\.bin_\d+\.tmp"  # temp_name's
-_A_STORE_TEMP = re.compile(_STORE_TEMP)
+_STORE_TEMP_NAME = re.compile(_STORE_TEMP)
 _ENGINE_TEMP = re.compile(rb"^(?:" + _STORE_TEMP + rb"|\.o_direct_probe_\d+\.tmp)$")
 
 
@@ -73,7 +73,7 @@ def o_direct_probe_name() -> str:
 
 def is_store_temp(name: bytes) -> bool:
     """A store's temp file (``temp_name``): renamed to the chunk's name once closed."""
-    return _A_STORE_TEMP.fullmatch(name) is not None
+    return _STORE_TEMP_NAME.fullmatch(name) is not None
 
 
 def is_engine_temp(name: bytes) -> bool:

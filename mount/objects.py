@@ -659,6 +659,7 @@ class Objects:
                 closed = self._being_published(node) or self._closed_write(node)
                 if closed is not None:
                     closed.renaming += 1
+                self._end_rename_wait(node)
             if closed is not None:
                 await self._publish_closed(node, closed)
 

@@ -92,7 +92,8 @@ def test_a_closed_temp_file_waits_for_its_rename_and_is_published_under_the_new_
     (``--rename-wait``) for the rename, which then publishes the file under the chunk's name in
     one step: the temp name never reaches the backing store, the rename returns with the chunk
     in place (it outlives a kill -9), and the waiting release ends with it, not at the wait's
-    end; as it does with an unlink of the temp file (a store that gave up)."""
+    end; as it does with an unlink of the temp file (a store that gave up), and with a rename
+    over a published chunk."""
     mount = make_mount(tmp_path, "--rename-wait", "10").start()
     try:
         tmp, final = mount.path / "c.bin_1.tmp", mount.path / "c.bin"
@@ -112,9 +113,16 @@ def test_a_closed_temp_file_waits_for_its_rename_and_is_published_under_the_new_
         given_up.unlink()
         mount.settle(timeout=5)  # no rename will come: the release ended with the unlink
         assert publishes(mount) == 1 and not (mount.backing / given_up.name).exists()
+        again = mount.path / "c.bin_3.tmp"  # another engine stores the same key: over it
+        again.write_bytes(b"e" * CHUNK)
+        time.sleep(0.3)
+        os.rename(again, final)
+        assert (mount.backing / final.name).read_bytes() == b"e" * CHUNK
+        mount.settle(timeout=5)  # the release ended with that rename too
+        assert publishes(mount) == 2
         mount.kill()
         mount.start()
-        assert final.read_bytes() == b"c" * CHUNK
+        assert final.read_bytes() == b"e" * CHUNK
     finally:
         mount.stop()
 
