@@ -134,10 +134,6 @@ _ON_OPEN_HANDLES = _NO_REPLY | {
 }
 
 
-# What an inline handler may leave for its answer to wait on (``rename_now``: a publish).
-Later = Callable[[], Awaitable[None]]
-
-
 # -- what the operations receive --------------------------------------------------------------
 
 
@@ -593,7 +589,7 @@ class KernelSession:
         # that the next open of a hot chunk costs the daemon no I/O and the kernel no ioctl.
         self._idle: OrderedDict[int, _Backing] = OrderedDict()
         # Requests answered in the receive loop, without a task: see init().
-        self._inline: dict[int, Callable[[_Request], Later | None]] = {}
+        self._inline: dict[int, Callable[[_Request], None]] = {}
         self._idle_now: Callable[[], None] = _nothing
         self._fast_misses: FastMisses | None = None
         self._handlers: dict[int, Callable[[_Request], Awaitable[None]]] = {
@@ -669,8 +665,8 @@ class KernelSession:
         # all it raises NeedsIO, and the request is served in a task.
         # ``create_now``, ``flush_now``, ``rename_now`` and ``mkdir_now`` answer the common
         # steps of a store (a new passthrough file, its close, its rename to the final name,
-        # the directories above it) the same way. ``rename_now`` may return what must end
-        # before the rename is answered (its file's publish): awaited in a task.
+        # the directories above it) the same way (the rename's publish follows in the
+        # background).
         # ``idle_now()``, where there is one, is called whenever the loop has answered all it
         # holds, before it reads again: bookkeeping that need not delay an answer.
         inline = [
@@ -779,18 +775,14 @@ class KernelSession:
                                 continue
                         req = self._parse(receiver.view, size)
                         inline = self._inline.get(req.opcode)
-                        served = (
-                            self._serve_now(inline, req)  # no task: a third less latency
-                            if inline is not None and not self._turned_away(req)
-                            else False
-                        )
-                        if served is True:
+                        if (
+                            inline is not None
+                            and not self._turned_away(req)
+                            and self._serve_now(inline, req)  # no task: a third less latency
+                        ):
                             slots.release()
                             continue
-                        if served is False:
-                            nursery.start_soon(self._serve, req, slots)
-                        else:  # done in memory, answered once what it returned has ended
-                            nursery.start_soon(self._answer_after, req, served, slots)
+                        nursery.start_soon(self._serve, req, slots)
                         unyielded = YIELD_EVERY
                 # A handler that never returns must not keep the daemon from stopping: past
                 # the deadline its request stays unanswered until close() ends it.
@@ -1132,29 +1124,16 @@ class KernelSession:
         except Exception:
             log.exception("idle_now failed")
 
-    def _serve_now(
-        self, handler: Callable[[_Request], Later | None], req: _Request
-    ) -> bool | Later:
+    def _serve_now(self, handler: Callable[[_Request], None], req: _Request) -> bool:
         """Answer a request inline; False if it needs I/O after all (``NeedsIO``): it is then
-        served in a task, like any other; or what its answer must wait for."""
+        served in a task, like any other."""
         try:
-            later = handler(req)
+            handler(req)
         except NeedsIO:
             return False
         except Exception as err:
             self._fail_with(req, err)
-            return True
-        return True if later is None else later
-
-    async def _answer_after(self, req: _Request, later: Later, slots: trio.Semaphore) -> None:
-        try:
-            await later()
-        except Exception as err:
-            self._fail_with(req, err)
-        else:
-            self._reply(req, [])
-        finally:
-            slots.release()
+        return True
 
     async def _serve(self, req: _Request, slots: trio.Semaphore) -> None:
         try:
@@ -1373,12 +1352,10 @@ class KernelSession:
         await self._ops.rename(req.nodeid, old, newdir, new, flags, self._ctx(req))
         self._reply(req, [])
 
-    def _rename_now(self, req: _Request) -> Later | None:
+    def _rename_now(self, req: _Request) -> None:
         old, newdir, new, flags = self._rename_in(req)
-        later: Later | None = self._ops.rename_now(req.nodeid, old, newdir, new, flags)
-        if later is None:
-            self._reply(req, [])
-        return later
+        self._ops.rename_now(req.nodeid, old, newdir, new, flags)
+        self._reply(req, [])
 
     @staticmethod
     def _rename_in(req: _Request) -> tuple[bytes, int, bytes, int]:

@@ -119,9 +119,7 @@ class Metrics:
         return self._last
 
     def timed_now(self, name: str, handler: Callable[..., T]) -> Callable[..., T]:
-        """``timed`` for the handlers a session calls inline (``lookup_now``...). One that
-        returns what its answer must wait for (``rename_now``: a publish) is timed until
-        that ends."""
+        """``timed`` for the handlers a session calls inline (``lookup_now``...)."""
         observe = self.latency.of(name).observe
         clock = time.perf_counter
 
@@ -135,15 +133,6 @@ class Metrics:
             except BaseException:
                 observe(clock() - start)
                 raise
-            if result is not None and callable(result):
-
-                async def timed_until_answered() -> None:
-                    try:
-                        await result()
-                    finally:
-                        observe(clock() - start)
-
-                return timed_until_answered  # type: ignore[return-value]
             observe(clock() - start)
             return result
 

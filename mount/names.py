@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 
 import pyfuse3
@@ -184,16 +184,14 @@ class NameRequests(pyfuse3.Operations):
         parent_inode_new: int,
         name_new: bytes,
         flags: int,
-    ) -> Callable[[], Awaitable[None]] | None:
+    ) -> None:
         """RENAME from memory, in the kernel session's receive loop: a file not published yet
-        to a free name; NeedsIO for any other. What it returns, if anything, must be awaited
-        before the rename is answered (``Objects.rename_now``)."""
+        to a free name (``Objects.rename_now``); NeedsIO for any other."""
         old_parent, new_parent, noreplace = self._rename_args(
             parent_inode_old, parent_inode_new, name_new, flags
         )
-        publish = self.objects.rename_now(old_parent, name_old, new_parent, name_new, noreplace)
+        self.objects.rename_now(old_parent, name_old, new_parent, name_new, noreplace)
         self.lookups.made(new_parent, name_new)
-        return publish
 
     def _rename_args(
         self, parent_inode_old: int, parent_inode_new: int, name_new: bytes, flags: int

@@ -597,8 +597,7 @@ class Objects:
     ) -> None:
         async def op() -> None:
             # The engine's store: its closed temp file, renamed to the chunk's name, in memory
-            # where it can (waiting for changes of names only). The rename returns once the
-            # file is published: it must survive a kill -9 of the daemon.
+            # where it can (waiting for changes of names only); published in the background.
             moved = None
             async with self._ns_shared():
                 with contextlib.suppress(NeedsIO):
@@ -608,7 +607,7 @@ class Objects:
             if moved is not None:
                 node, closed = moved
                 if closed is not None:
-                    await self._publish_closed(node, closed)
+                    self._publish_renamed(node, closed)
                 return
             async with self._ns:
                 node, target = self._renaming(old_parent, old_name, new_parent, new_name, noreplace)
@@ -659,17 +658,35 @@ class Objects:
                 closed = self._being_published(node) or self._closed_write(node)
                 if closed is not None:
                     closed.renaming += 1
-                self._end_rename_wait(node)
-            if closed is not None:
+                else:
+                    self._end_rename_wait(node)
+            if closed is not None:  # the name held a chunk: it answers once the new one is there
                 await self._publish_closed(node, closed)
 
         await self.bounded(op)
 
+    def _publish_renamed(self, node: Node, closed: WriteState) -> None:
+        """Publish a closed file under the name its rename just gave it, in the background:
+        the rename is answered at once (a reader meanwhile is served from the temp file). A
+        daemon killed before the publish ends, one pool trip later, drops the chunk (a cache
+        miss, as for a file whose release it had not published yet); never part of it."""
+
+        async def publish() -> None:
+            try:
+                await self._publish_closed(node, closed)
+            except OSError:
+                pass  # counted and logged where it failed; the name goes with the write state
+            except Exception:
+                log.exception("publish of %s after its rename failed", self._name(node))
+
+        self.start_detached(publish)
+
     async def _publish_closed(self, node: Node, closed: WriteState) -> None:
         """Publish a closed file under the name its rename gave it, unless its RELEASE did
-        (the rename waits for that publish): a rename that returned outlives a kill -9 of the
-        daemon. The rename counted itself in ``closed.renaming`` as it gave the name (the
-        name is final: the publish seals the file in the trip that places it)."""
+        (then it fails if that publish failed). The rename counted itself in
+        ``closed.renaming`` as it gave the name (the name is final: the publish seals the file
+        in the trip that places it); a release waiting for the rename (``_await_rename``) goes
+        on once this ends, with nothing left to publish."""
         try:
             async with closed.lock:
                 if self._closed_write(node) is closed:
@@ -680,6 +697,7 @@ class Objects:
                     self._check_not_lost(node, closed)
         finally:
             closed.renaming -= 1
+            self._end_rename_wait(node)
 
     def _check_not_lost(self, node: Node, ws: WriteState) -> None:
         """After a rename waited for a publish of ``ws`` that its RELEASE made: the rename
@@ -689,27 +707,25 @@ class Objects:
 
     def rename_now(
         self, old_parent: Node, old_name: bytes, new_parent: Node, new_name: bytes, noreplace: bool
-    ) -> Callable[[], Awaitable[None]] | None:
+    ) -> None:
         """``rename`` from memory of a file not published yet to a free name: only the index
         changes. A file written since its last close is done (its last release publishes it
-        under the new name): None. For a closed one, or one its release is publishing, the
-        returned wait publishes it or waits for that publish, within the deadline; the rename
-        is answered once it ends. NeedsIO for any other rename, and while a change of names
-        or the file's own publish holds the namespace lock."""
+        under the new name); a closed one, or one its release is publishing, is published
+        under it in the background (``_publish_renamed``). NeedsIO for any other rename, and
+        while a change of names or the file's own publish holds the namespace lock."""
         if self._ns.locked() or self.share is not None:
             raise NeedsIO()
         node, closed = self._moved_in_memory(old_parent, old_name, new_parent, new_name, noreplace)
-        if closed is None:
-            return None
-        return partial(self.bounded, partial(self._publish_closed, node, closed))
+        if closed is not None:
+            self._publish_renamed(node, closed)
 
     def _moved_in_memory(
         self, old_parent: Node, old_name: bytes, new_parent: Node, new_name: bytes, noreplace: bool
     ) -> tuple[Node, WriteState | None]:
         """Rename a file not published yet to a free name in the index only: the file, and
-        the closed write state whose publish the rename waits for (None: its last release
-        publishes it under the new name). NeedsIO for any other rename, and while the file's
-        own publish puts it under its old name."""
+        the closed write state the rename is to publish (None: its last release publishes it
+        under the new name). NeedsIO for any other rename, and while the file's own publish
+        puts it under its old name."""
         node, target = self._renaming(old_parent, old_name, new_parent, new_name, noreplace)
         if not self._renames_in_memory(node, target, new_parent):
             raise NeedsIO()
@@ -719,12 +735,13 @@ class Objects:
         self.index.move(old_parent, old_name, new_parent, new_name)
         if closed is not None:
             closed.renaming += 1  # before its RELEASE's publish begins, as a rule: sealed as placed
-        self._end_rename_wait(node)
+        else:
+            self._end_rename_wait(node)
         return node, closed
 
     def _end_rename_wait(self, node: Node) -> None:
         """A release that waits for the file's rename (``_await_rename``) goes on: the file
-        was renamed, or unlinked (no rename will come)."""
+        was renamed (and the rename's publish ended), or unlinked (no rename will come)."""
         ws = self.writes.get(node.ino)
         if ws is not None and ws.wait_over is not None:
             ws.wait_over.set()
@@ -1136,6 +1153,8 @@ class Objects:
         self.releasing += 1
         try:
             await self._await_rename(node, ws)
+            if self._released_in_memory(node, ws):
+                return
             await self.bounded(partial(self._release_writer, node, ws))
         except OSError as err:
             # A failed publish was counted and logged where it failed; past the deadline (which
@@ -1147,9 +1166,10 @@ class Objects:
     async def _await_rename(self, node: Node, ws: WriteState) -> None:
         """Give a store's temp file (``vllm_layout.is_store_temp``), closed and not renamed
         yet, ``--rename-wait`` for the rename that follows its close: that rename names it in
-        memory and publishes it under the chunk's name in one trip (``_publish_closed``), and
-        this release finds nothing left to do. An unlink ends the wait too. Any other file is
-        published at once: a reader may open it under the name it has.
+        memory and publishes it under the chunk's name in one trip (``_publish_closed``); the
+        wait ends when that publish has, and this release finds nothing left to do
+        (``_released_in_memory``). An unlink ends the wait too. Any other file is published at
+        once: a reader may open it under the name it has.
 
         Published at once, the temp file took two trips under its own name (seal, place) and
         the rename a third to move it, waiting on the last two, alone on the namespace lock
@@ -1165,6 +1185,18 @@ class Objects:
         with trio.move_on_after(wait):
             await ws.wait_over.wait()
         ws.wait_over = None
+
+    def _released_in_memory(self, node: Node, ws: WriteState) -> bool:
+        """A last release with nothing to publish (a store's temp file its rename published
+        while the release waited, ``_await_rename``): the write state goes at once, without the
+        task and the lock ``_release_writer`` takes. False for any other release."""
+        if ws.writers != 1 or ws.dirty or ws.prepared is not None or ws.lock.locked():
+            return False
+        if ws.published_as is not None and ws.published_as != self._version(ws)[:2]:
+            return False  # written after its rename published it: quarantined there
+        gone = self.drop_writer(node)
+        assert gone is None  # (published: its name stays)
+        return True
 
     async def _release_writer(self, node: Node, ws: WriteState) -> None:
         gone: Node | None = None

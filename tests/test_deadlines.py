@@ -54,6 +54,7 @@ def test_a_read_from_a_stalled_store_fails_within_the_deadline_and_others_are_se
     paths = [vllm_io.chunk_path(str(outer.path), k) for k in range(2)]
     for key, path in enumerate(paths):
         vllm_io.store(path, vllm_io.chunk(key, CHUNK), o_direct=True)
+    outer.settle()  # published (after their renames) and checksummed
     os.kill(inner.pid, signal.SIGSTOP)
     start = time.monotonic()
     with pytest.raises(OSError) as err:
@@ -133,36 +134,50 @@ def test_a_close_that_stalls_on_the_store_holds_up_no_other_request(
         os.kill(inner.pid, signal.SIGCONT)
 
 
-@pytest.mark.timeout(60)
-def test_a_rename_returns_only_once_the_chunk_it_names_is_published(
-    stacked: tuple[Mount, Mount],
-) -> None:
-    """The engine's store: write a temp file, close it, rename it to the chunk's name. Once
-    the rename has returned the chunk must survive a kill -9 of the daemon; so while the store
-    is stalled, the rename fails within the deadline instead of returning before the publish."""
-    outer, inner = stacked
-    path = vllm_io.chunk_path(str(outer.path), 3)
-    os.makedirs(os.path.dirname(path))
+def closed_temp(path: str, key: int) -> tuple[str, int]:
+    """The engine's store up to its rename: a temp file written and closed. The kernel sends
+    the RELEASE, which would publish it, as close() returns; the descriptor returned (a dup)
+    holds it back, so the rename surely comes first (as it mostly does anyway)."""
     tmp = vllm_layout.temp_name(path)
     fd = os.open(tmp, os.O_CREAT | os.O_WRONLY)
-    os.write(fd, vllm_io.chunk_bytes(3, CHUNK))
-    # The kernel sends RELEASE, which would publish the file, after close() has returned;
-    # a second descriptor holds it back, so the rename surely comes first (as it may anyway).
+    os.write(fd, vllm_io.chunk_bytes(key, CHUNK))
     held = os.dup(fd)
     os.close(fd)
-    try:
+    return tmp, held
+
+
+@pytest.mark.timeout(60)
+def test_a_store_renamed_while_the_store_stalls_returns_at_once_and_is_published_whole_or_dropped(
+    stacked: tuple[Mount, Mount],
+) -> None:
+    """The rename of a closed temp file to the chunk's (free) name answers once the name has
+    moved, without waiting on the backing store: with the store stalled it returns at once
+    (had it waited for the publish, it would have failed at the deadline). The chunk is
+    published once the store answers again; a daemon killed before that drops it (a miss),
+    and never leaves part of it under the name."""
+    outer, inner = stacked
+    kept, dropped = (vllm_io.chunk_path(str(outer.path), key) for key in (3, 4))
+    os.makedirs(os.path.dirname(kept))
+    for key, path in ((3, kept), (4, dropped)):
+        tmp, held = closed_temp(path, key)
         os.kill(inner.pid, signal.SIGSTOP)
-        start = time.monotonic()
-        with pytest.raises(OSError) as err:
+        try:
+            start = time.monotonic()
             os.rename(tmp, path)
-        assert err.value.errno == errno.EIO and time.monotonic() - start < TIMEOUT + 1.0
-        os.kill(outer.pid, signal.SIGKILL)  # the store still stalled: the publish cannot end
-    finally:
-        os.kill(inner.pid, signal.SIGCONT)  # a daemon waiting on a FUSE store dies once it answers
-        with contextlib.suppress(OSError):
-            os.close(held)
+            assert time.monotonic() - start < TIMEOUT / 2
+            assert os.path.exists(path) and not os.path.exists(tmp)
+            if path == dropped:
+                os.kill(outer.pid, signal.SIGKILL)  # the store still stalled: no publish yet
+        finally:
+            os.kill(inner.pid, signal.SIGCONT)  # a daemon waiting on a FUSE store dies now
+            with contextlib.suppress(OSError):
+                os.close(held)
+        if path == kept:
+            outer.settle()
+            assert vllm_io.load(kept, CHUNK) == vllm_io.chunk_bytes(3, CHUNK)
     wait_gone(outer.pid)
     outer.stop()
     outer.start()
-    if os.path.exists(path):  # its publish went on past the deadline: whole, or not at all
-        assert vllm_io.load(path, CHUNK) == vllm_io.chunk_bytes(3, CHUNK)
+    assert vllm_io.load(kept, CHUNK) == vllm_io.chunk_bytes(3, CHUNK)
+    if os.path.exists(dropped):  # its publish ended before the kill: whole, or not at all
+        assert vllm_io.load(dropped, CHUNK) == vllm_io.chunk_bytes(4, CHUNK)

@@ -16,12 +16,14 @@ import pytest
 from kvfs.buffers import EXTENT
 from tests.conftest import Mount, buffered_mount, make_mount
 from tools import vllm_io
+from tools.crash_loop import PUBLISH_WINDOW
 
 CHUNK = 512 << 10
 
 
 def _storm(mountpoint: str, log_path: str, first_key: int) -> None:
-    """Store chunks from 8 threads until the mount dies; log every key whose store completed.
+    """Store chunks from 8 threads until the mount dies; log every key whose store completed,
+    and when (``time.monotonic``, one clock for every process).
 
     Paths go through a file descriptor of the mount's root, so once the daemon is killed they
     fail (ENOTCONN) instead of landing in the directory under the mountpoint.
@@ -36,7 +38,7 @@ def _storm(mountpoint: str, log_path: str, first_key: int) -> None:
                 vllm_io.store(vllm_io.chunk_path(root, key), vllm_io.chunk_bytes(key, CHUNK))
             except OSError:
                 return
-            log.write(f"{key}\n")
+            log.write(f"{key} {time.monotonic()}\n")
             key += 1
 
     with open(log_path, "a", buffering=1) as log, ThreadPoolExecutor(8) as pool:
@@ -50,29 +52,33 @@ def test_kill_9_during_a_write_storm_loses_nothing_published(fresh_mount: Mount)
     )
     storm.start()
     deadline = time.monotonic() + 30
-    while (not log_path.exists() or len(log_path.read_text().split()) < 40) and (
+    while (not log_path.exists() or len(log_path.read_text().splitlines()) < 40) and (
         time.monotonic() < deadline
     ):
         time.sleep(0.05)
+    killed = time.monotonic()
     fresh_mount.kill()
     storm.join(60)
     assert storm.exitcode == 0
-    stored = {int(k) for k in log_path.read_text().split()}
-    assert len(stored) >= 40
+    acked = {int(k): float(t) for k, t in map(str.split, log_path.read_text().splitlines())}
+    assert len(acked) >= 40
 
     leftovers = list((fresh_mount.backing / ".kvfs" / "tmp").iterdir())
     fresh_mount.start()  # remount the same backing directory
     assert not list((fresh_mount.backing / ".kvfs" / "tmp").iterdir())
     assert not list(fresh_mount.backing.rglob("*.tmp")), "orphan temp files survived"
     finals = list(fresh_mount.path.rglob("*.bin"))
-    # Every chunk whose store returned is there: its rename returned once it was published.
-    lost = stored - {int(p.stem, 16) for p in finals}
+    # Every chunk whose store returned is there, but those whose publish (in the background,
+    # after their rename returned) the kill may have cut short: a cache miss, never a mix.
+    missing = acked.keys() - {int(p.stem, 16) for p in finals}
+    lost = {key for key in missing if acked[key] < killed - PUBLISH_WINDOW}
     assert not lost, sorted(lost)
     for path in finals:  # ... and no final name holds partial or wrong bytes
         key = int(path.stem, 16)
         assert vllm_io.load(str(path), CHUNK) == vllm_io.chunk_bytes(key, CHUNK)
     print(
-        f"{len(stored)} stored, {len(finals)} final, {len(leftovers)} temp files left by the kill"
+        f"{len(acked)} stored, {len(finals)} final, {len(missing)} dropped at the kill, "
+        f"{len(leftovers)} temp files left by it"
     )
 
 

@@ -32,6 +32,15 @@ def publishes(mount: Mount) -> int:
     return int(usage["counters"].get("publishes", 0))
 
 
+def published(mount: Mount, count: int, timeout: float = 10) -> None:
+    """Wait until ``count`` files have been published since the mount (a rename to a free name
+    returns before its file's publish, which follows in the background)."""
+    deadline = time.monotonic() + timeout
+    while publishes(mount) < count:
+        assert time.monotonic() < deadline, f"{publishes(mount)} published, not {count}"
+        time.sleep(0.005)
+
+
 def test_closing_a_dup_publishes_nothing_until_the_last_close(fresh_mount: Mount) -> None:
     path = fresh_mount.path / "f"
     fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o644)
@@ -60,7 +69,7 @@ def test_renaming_a_closed_file_publishes_it_and_a_write_after_that_is_never_ser
     fresh_mount: Mount,
 ) -> None:
     """The engine's store renames its temp file after close(), maybe before the RELEASE: the
-    rename publishes it (it must outlive a kill -9 once it returned). A write through a dup
+    rename publishes it (in the background: the rename has returned). A write through a dup
     after that is published again (buffered), or, written in passthrough behind the checksum,
     makes the last release take the file out: its name never serves a mix."""
     tmp, final = fresh_mount.path / "f.tmp", fresh_mount.path / "f"
@@ -69,8 +78,8 @@ def test_renaming_a_closed_file_publishes_it_and_a_write_after_that_is_never_ser
     held = os.dup(fd)
     os.close(fd)  # a FLUSH; the RELEASE waits for the dup's close
     os.rename(tmp, final)
+    published(fresh_mount, 1)
     assert (fresh_mount.backing / "f").read_bytes() == b"a" * CHUNK
-    assert publishes(fresh_mount) == 1
     os.pwrite(held, b"b" * 4096, 0)
     os.close(held)
     fresh_mount.settle()
@@ -90,10 +99,10 @@ def test_a_closed_temp_file_waits_for_its_rename_and_is_published_under_the_new_
 ) -> None:
     """The engine's store: temp file, close(), rename. The release that the close sends waits
     (``--rename-wait``) for the rename, which then publishes the file under the chunk's name in
-    one step: the temp name never reaches the backing store, the rename returns with the chunk
-    in place (it outlives a kill -9), and the waiting release ends with it, not at the wait's
-    end; as it does with an unlink of the temp file (a store that gave up), and with a rename
-    over a published chunk."""
+    one step: the temp name never reaches the backing store, and the waiting release ends with
+    that publish, not at the wait's end; as it does with an unlink of the temp file (a store
+    that gave up), and with a rename over a published chunk (which returns with the new bytes
+    in place: the name held a chunk)."""
     mount = make_mount(tmp_path, "--rename-wait", "10").start()
     try:
         tmp, final = mount.path / "c.bin_1.tmp", mount.path / "c.bin"
@@ -103,10 +112,11 @@ def test_a_closed_temp_file_waits_for_its_rename_and_is_published_under_the_new_
         time.sleep(0.3)  # its RELEASE came, and waits
         assert not (mount.backing / tmp.name).exists()
         os.rename(tmp, final)
-        assert (mount.backing / final.name).read_bytes() == b"c" * CHUNK  # as it returned
+        assert final.read_bytes() == b"c" * CHUNK  # from the temp file until published
+        mount.settle(timeout=5)  # the release ended with the rename's publish (else: 10 s)
+        assert (mount.backing / final.name).read_bytes() == b"c" * CHUNK
         assert not (mount.backing / tmp.name).exists()
         assert publishes(mount) == 1
-        mount.settle(timeout=5)  # the release ended with the rename (else: 10 s)
         given_up = mount.path / "d.bin_2.tmp"  # a store that failed: it unlinks its temp file
         given_up.write_bytes(b"d" * CHUNK)
         time.sleep(0.3)

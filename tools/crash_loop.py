@@ -67,8 +67,9 @@ WRONG = "wrong"  # a final name holds bytes that are not its chunk's (or too man
 UNREADABLE = "unreadable"  # a final name that cannot be read (EIO: the mount found it corrupt)
 LOST = "lost"  # a store acked well before the death is gone, and no eviction could take it
 # kvfs publishes a file at its last release, which the kernel sends just after close() has
-# returned: a daemon killed in that instant drops the file (a miss, as a cache may), never
-# publishes part of it. A store acked this long before the death must have been published.
+# returned, or, for a temp file renamed to a free name, right after that rename has returned:
+# a daemon killed in that instant drops the file (a miss, as a cache may), never publishes
+# part of it. A store acked this long before the death must have been published.
 PUBLISH_WINDOW = 0.1
 OUTSIDE = "outside_backing"  # files or directories found under the bare mountpoint
 ACKED_DEAD = "acked_while_dead"  # a store that succeeded after the daemon had died
