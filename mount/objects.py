@@ -660,7 +660,7 @@ class Objects:
                     closed.renaming += 1
                 else:
                     self._end_rename_wait(node)
-            if closed is not None:  # the name held a chunk: it answers once the new one is there
+            if closed is not None:  # over a name, or of a published file: once it is in place
                 await self._publish_closed(node, closed)
 
         await self.bounded(op)
