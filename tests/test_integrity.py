@@ -73,6 +73,7 @@ def test_kvfs_verify_on_a_mount_counts_no_read(fresh_mount: Mount) -> None:
     paths = [vllm_io.chunk_path(str(fresh_mount.path), k) for k in range(4)]
     for key, path in enumerate(paths):
         vllm_io.store(path, vllm_io.chunk(key, CHUNK), o_direct=True)
+    fresh_mount.settle()
     vllm_io.load(paths[1], CHUNK)
     usage = fresh_mount.path / ".kvfs" / "usage.json"
 
