@@ -204,8 +204,9 @@ class WriteState:
     # A passthrough file's size and mtime as its rename published it, its writer's descriptor
     # still open: a write after that (through a dup of it) changed it behind its checksum.
     published_as: tuple[int, int] | None = None
-    renaming: int = 0  # renames that gave the closed file its final name and wait for its publish
-    # Set to end its last release's wait for a rename (``_await_rename``): renamed, or unlinked.
+    renaming: int = 0  # renames that gave the closed file its final name, its publish to come
+    # Set to end its last release's wait for a rename (``_await_rename``): renamed and
+    # published, or unlinked.
     wait_over: trio.Event | None = None
     committing: bool = False  # its publish is putting it under its name: renames wait
 
@@ -658,8 +659,6 @@ class Objects:
                 closed = self._being_published(node) or self._closed_write(node)
                 if closed is not None:
                     closed.renaming += 1
-                else:
-                    self._end_rename_wait(node)
             if closed is not None:  # over a name, or of a published file: once it is in place
                 await self._publish_closed(node, closed)
 
@@ -735,8 +734,6 @@ class Objects:
         self.index.move(old_parent, old_name, new_parent, new_name)
         if closed is not None:
             closed.renaming += 1  # before its RELEASE's publish begins, as a rule: sealed as placed
-        else:
-            self._end_rename_wait(node)
         return node, closed
 
     def _end_rename_wait(self, node: Node) -> None:
@@ -1192,11 +1189,16 @@ class Objects:
         task and the lock ``_release_writer`` takes. False for any other release."""
         if ws.writers != 1 or ws.dirty or ws.prepared is not None or ws.lock.locked():
             return False
-        if ws.published_as is not None and ws.published_as != self._version(ws)[:2]:
-            return False  # written after its rename published it: quarantined there
+        if self._written_after_rename(ws):
+            return False  # quarantined there
         gone = self.drop_writer(node)
         assert gone is None  # (published: its name stays)
         return True
+
+    def _written_after_rename(self, ws: WriteState) -> bool:
+        """Whether a passthrough file its rename published was written since, through a
+        descriptor still open (behind its checksum)."""
+        return ws.published_as is not None and ws.published_as != self._version(ws)[:2]
 
     async def _release_writer(self, node: Node, ws: WriteState) -> None:
         gone: Node | None = None
@@ -1204,7 +1206,7 @@ class Objects:
             try:
                 if ws.writers == 1:
                     await self._publish(node, ws)
-                    if ws.published_as is not None and ws.published_as != self._version(ws)[:2]:
+                    if self._written_after_rename(ws):
                         await self._quarantine(node, "written after its rename published it")
             finally:
                 gone = self.drop_writer(node)
