@@ -16,13 +16,14 @@ read back by the publish itself):
              daemon finds at mount it verifies at the first open, served, before passthrough)
 and, single-threaded as vLLM's lookup thread, access(F_OK) per second on just-stored keys
 (lookup_hit) and on keys never seen (lookup_miss), the first time each name is asked and again
-(``_repeat``: the kernel then answers from its entry cache). The same lookups go to ``floor``
-too, where a C compiler and libfuse3's headers are at hand: tools/fuse_floor.c, the least any
-FUSE daemon can do (libfuse answering from memory), which shows what a round trip through
-/dev/fuse itself costs on this machine. It prints medians over the repeats and mount/direct
-ratios; ``--json`` prints one object whose ``summary`` holds, per session, the median ratio per
-measure and the daemon's CPU seconds per GB it moved (stores and loads), and the floor's
-lookup ratios.
+(``_repeat``: the kernel then answers from its entry cache). The same lookups go to the floors,
+the least any FUSE daemon can do (C answering from memory), which show what a round trip through
+the kernel itself costs on this machine: ``floor``, tools/fuse_floor.c (libfuse reading
+/dev/fuse; where libfuse3's headers are at hand), and ``floor_uring``, tools/fuse_uring_floor.c
+(FUSE-over-io_uring, a queue served on each CPU; where the kernel offers it: Linux 6.14+ with
+fuse.enable_uring=Y). It prints medians over the repeats and mount/direct ratios; ``--json``
+prints one object whose ``summary`` holds, per session, the median ratio per measure and the
+daemon's CPU seconds per GB it moved (stores and loads), and each floor's lookup ratios.
 
 Every target uses O_DIRECT when vLLM's probe passes there, as vLLM would (``--o-direct`` overrides).
 Run as root (it drops the page cache and mounts).
@@ -175,18 +176,31 @@ def measure_lookups(target: Target, count: int, seed: int) -> dict[str, float]:
     return out
 
 
-@contextmanager
-def floor_daemon(base: Path, quiet: bool) -> Iterator[Path | None]:
-    """tools/fuse_floor.c built and mounted on ``base/floor``; None where it cannot be built."""
-    binary, mnt = base / "fuse_floor", base / "floor"
-    source = Path(__file__).with_name("fuse_floor.c")
-    try:
-        flags = subprocess.run(
+# The floors: the least a FUSE daemon can do for a lookup, in C, answering from memory. Each
+# entry: its source beside this file and how to link it (None: it cannot be built here).
+FLOORS: dict[str, tuple[str, Callable[[], list[bytes]]]] = {
+    # libfuse's loop reading /dev/fuse, as every daemon did before io_uring
+    "floor": (
+        "fuse_floor.c",
+        lambda: subprocess.run(
             ["pkg-config", "--cflags", "--libs", "fuse3"], check=True, capture_output=True
-        ).stdout.split()
-        subprocess.run(["cc", "-O2", "-o", binary, source, *flags], check=True)
+        ).stdout.split(),
+    ),
+    # FUSE-over-io_uring: a queue per CPU, each served on its CPU (fuse.enable_uring=Y only)
+    "floor_uring": ("fuse_uring_floor.c", lambda: [b"-pthread"]),
+}
+
+
+@contextmanager
+def floor_daemon(name: str, base: Path, quiet: bool) -> Iterator[Path | None]:
+    """The floor ``name`` built and mounted on ``base/name``; None where it cannot be built or
+    mounted (fuse_uring_floor.c exits where the kernel does not offer io_uring)."""
+    source_name, link_flags = FLOORS[name]
+    binary, mnt, source = base / name, base / f"{name}-mnt", Path(__file__).with_name(source_name)
+    try:
+        subprocess.run(["cc", "-O2", "-o", binary, source, *link_flags()], check=True)
     except (OSError, subprocess.CalledProcessError) as err:
-        log(f"no floor measured: cannot build {source.name} ({err})", quiet)
+        log(f"no {name} measured: cannot build {source_name} ({err})", quiet)
         yield None
         return
     mnt.mkdir()
@@ -195,6 +209,8 @@ def floor_daemon(base: Path, quiet: bool) -> Iterator[Path | None]:
         deadline = time.monotonic() + 10
         while not os.path.ismount(mnt) and daemon.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
+        if not os.path.ismount(mnt):
+            log(f"no {name} measured: {source_name} did not mount", quiet)
         yield mnt if os.path.ismount(mnt) else None
     finally:
         subprocess.run(["fusermount3", "-u", mnt], check=False, capture_output=True)
@@ -239,7 +255,7 @@ def main() -> int:
     stack = ExitStack()
     rows: list[dict[str, object]] = []
     try:
-        floor = stack.enter_context(floor_daemon(base, args.json))
+        floors = {name: stack.enter_context(floor_daemon(name, base, args.json)) for name in FLOORS}
         modes = {}
         for t in targets:
             probe = vllm_io.probe_o_direct(str(t.root))
@@ -274,15 +290,15 @@ def main() -> int:
                     }
                 )
                 t.clear()
-            if floor is not None:
-                seed = repeat + 1
-                rows.append(
-                    {
-                        "target": "floor",
-                        "repeat": repeat,
-                        **measure_floor(floor, args.lookups, seed),
-                    }
-                )
+            for name, floor in floors.items():
+                if floor is not None:
+                    rows.append(
+                        {
+                            "target": name,
+                            "repeat": repeat,
+                            **measure_floor(floor, args.lookups, repeat + 1),
+                        }
+                    )
     finally:
         stack.close()
         for mount in mounts:
@@ -330,10 +346,10 @@ def summarise(rows: list[dict[str, object]], modes: dict[str, bool]) -> dict[str
                 groups.setdefault(key, []).append(float(row[measure]))  # type: ignore[arg-type]
         for (size, threads, target), values in groups.items():
             cells.setdefault((measure, size, threads), {})[target] = statistics.median(values)
-    sessions = sorted({str(row["target"]) for row in rows} - {"direct", "floor"})
+    sessions = sorted({str(row["target"]) for row in rows} - {"direct", *FLOORS})
     results = []
     for (measure, size, threads), by_target in cells.items():
-        for session in [*sessions, "floor"] if "floor" in by_target else sessions:
+        for session in [*sessions, *(f for f in FLOORS if f in by_target)]:
             results.append(
                 {
                     "measure": measure,
@@ -359,15 +375,14 @@ def summarise(rows: list[dict[str, object]], modes: dict[str, bool]) -> dict[str
         }
         for session in sessions
     }
-    floor = [r for r in results if r["session"] == "floor"]
-    if floor:  # what a round trip through /dev/fuse costs any daemon here
-        summary["floor"] = {r["measure"]: r["ratio"] for r in floor}
+    floors = {f: [r for r in results if r["session"] == f] for f in FLOORS}
+    for name, floor in floors.items():  # what a round trip through the kernel costs any daemon
+        if floor:
+            summary[name] = {r["measure"]: r["ratio"] for r in floor}
     return {
         "o_direct": modes,
         "sessions": {session: list(SESSIONS[session]) for session in sessions},
-        "floor": "tools/fuse_floor.c: libfuse answering every lookup from memory"
-        if floor
-        else None,
+        "floors": {name: f"tools/{FLOORS[name][0]}" for name, floor in floors.items() if floor},
         "results": results,
         "summary": summary,
         "units": {m: "GB/s" if "load" in m or m == "store" else "lookups/s" for m in MEASURES},
@@ -380,13 +395,13 @@ def _of(rows: list[dict[str, object]], target: str, key: str) -> list[float]:
 
 def print_table(report: dict[str, Any]) -> None:
     print(f"O_DIRECT used: {report['o_direct']}")
-    header = f"{'measure':<12}{'chunk':>7}{'threads':>9}{'session':>9}{'direct':>10}{'kvfs':>10}"
+    header = f"{'measure':<12}{'chunk':>7}{'threads':>9}{'session':>12}{'direct':>10}{'kvfs':>10}"
     print(header + f"{'kvfs/direct':>13}")
     for r in report["results"]:
         chunk = f"{r['size_mib']} MiB" if r["size_mib"] else "-"
         threads = r["threads"] or 1
         print(
-            f"{r['measure']:<12}{chunk:>7}{threads:>9}{r['session']:>9}{r['direct']:>10.3f}"
+            f"{r['measure']:<12}{chunk:>7}{threads:>9}{r['session']:>12}{r['direct']:>10.3f}"
             f"{r['kvfs']:>10.3f}{r['ratio']:>13.2f}"
         )
     for session, ratios in report["summary"].items():
