@@ -205,6 +205,7 @@ class WriteState:
     # still open: a write after that (through a dup of it) changed it behind its checksum.
     published_as: tuple[int, int] | None = None
     renaming: int = 0  # renames that gave the closed file its final name, its publish to come
+    publishing: Future[None] | None = None  # the publish its last rename began in the background
     # Set to end its last release's wait for a rename (``_await_rename``): renamed and
     # published, or unlinked.
     wait_over: trio.Event | None = None
@@ -678,7 +679,7 @@ class Objects:
             except Exception:
                 log.exception("publish of %s after its rename failed", self._name(node))
 
-        self.start_detached(publish)
+        closed.publishing = self.start_detached(publish)
 
     async def _publish_closed(self, node: Node, closed: WriteState) -> None:
         """Publish a closed file under the name its rename gave it, unless its RELEASE did
@@ -1682,7 +1683,7 @@ class Objects:
         published), the temp file for a passthrough one. ``passthrough``: for the kernel to
         read itself (not O_DIRECT)."""
         ws = self.writes.get(node.ino)
-        if ws is not None:
+        if ws is not None and not self._renamed_and_published(node, ws):
             return None if ws.file is None else Reader(os.dup(ws.file.fd), None, unpublished=True)
         self._check_published(node)
         reader = await self.bounded(
@@ -1691,6 +1692,20 @@ class Objects:
         )
         self.count_read(node)
         return reader
+
+    async def await_renamed_publish(self, node: Node) -> None:
+        """A reader's open of a file that its rename is publishing in the background
+        (``_publish_renamed``: one pool trip) waits for that publish, within the deadline, and
+        then reads the chunk as published (passed through, counted), not its temp file."""
+        ws = self.writes.get(node.ino)
+        if ws is not None and ws.publishing is not None and not ws.publishing.done:
+            await self.wait(ws.publishing)
+
+    def _renamed_and_published(self, node: Node, ws: WriteState) -> bool:
+        """Whether a file that its writer still holds open was published by its rename as it
+        stands: its readers open the published version."""
+        published = ws.publishing is not None and ws.publishing.done and node.on_backing
+        return published and not ws.dirty and not self._written_after_rename(ws)
 
     @staticmethod
     def _check_published(node: Node) -> None:

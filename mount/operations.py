@@ -183,6 +183,7 @@ class KvfsOperations(NameRequests):
         held = self._reopen_held(node)
         if held is not None:
             return held
+        await self.objects.await_renamed_publish(node)
         passthrough = sessions.passthrough(self.session) and self.objects.may_pass_through(node)
         handle = Handle(node, writable=False, passthrough=passthrough)
         handle.reader = await self.objects.open_read(node, passthrough)

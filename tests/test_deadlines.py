@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import signal
 import threading
@@ -181,3 +182,36 @@ def test_a_store_renamed_while_the_store_stalls_returns_at_once_and_is_published
     assert vllm_io.load(kept, CHUNK) == vllm_io.chunk_bytes(3, CHUNK)
     if os.path.exists(dropped):  # its publish ended before the kill: whole, or not at all
         assert vllm_io.load(dropped, CHUNK) == vllm_io.chunk_bytes(4, CHUNK)
+
+
+@pytest.mark.timeout(60)
+def test_a_chunk_opened_while_its_rename_publishes_it_is_read_as_published(
+    stacked: tuple[Mount, Mount],
+) -> None:
+    """A reader that opens a chunk between its rename's answer and the publish that follows
+    (here held up by the stalled store) waits for that publish and reads the chunk as
+    published: counted as a read (eviction's recency, the hit rate), not served from the
+    temp file. The store answering within the deadline, the reader gets every byte."""
+    outer, inner = stacked
+    path = vllm_io.chunk_path(str(outer.path), 5)
+    os.makedirs(os.path.dirname(path))
+    tmp, held = closed_temp(path, 5)
+    reads_before = counters(outer)["reads"]
+    os.kill(inner.pid, signal.SIGSTOP)
+    try:
+        os.rename(tmp, path)  # answered at once; its publish waits on the store
+        loaded: list[bytes] = []
+        reader = threading.Thread(target=lambda: loaded.append(vllm_io.load(path, CHUNK)))
+        reader.start()
+        reader.join(TIMEOUT / 4)
+        assert reader.is_alive()  # its open waits for the publish
+    finally:
+        os.kill(inner.pid, signal.SIGCONT)
+        os.close(held)
+    reader.join(TIMEOUT * 5)
+    assert loaded == [vllm_io.chunk_bytes(5, CHUNK)]
+    assert counters(outer)["reads"] == reads_before + 1
+
+
+def counters(mount: Mount) -> dict[str, int]:
+    return dict(json.loads((mount.path / ".kvfs" / "usage.json").read_bytes())["counters"])

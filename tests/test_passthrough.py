@@ -12,6 +12,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -419,6 +420,25 @@ def test_a_rename_during_the_releases_publish_places_the_chunk_under_the_new_nam
     mount.start()
     assert vllm_io.load(str(final), LONG_SEAL) == vllm_io.chunk_bytes(9, LONG_SEAL)
     assert not tmp.exists()
+
+
+def test_a_chunk_loaded_right_after_its_rename_is_read_as_published(long_seals: Mount) -> None:
+    """A load that opens the chunk while the publish its rename waits on is still sealing it
+    waits for that publish and reads the chunk as published: passed through, and counted as a
+    read (eviction's recency, the hit rate), not served from the temp file."""
+    mount = long_seals
+    tmp, final = mount.path / "c.tmp", mount.path / "c"
+    closed_after_a_long_seal_began(tmp)
+    before = usage(mount)
+    os.rename(tmp, final)
+    assert vllm_io.load(str(final), LONG_SEAL) == vllm_io.chunk_bytes(9, LONG_SEAL)
+    after = usage(mount)
+    assert after["counters"]["reads"] == before["counters"].get("reads", 0) + 1
+    assert after["session"]["passthrough_opens"] == before["session"]["passthrough_opens"] + 1
+
+
+def usage(mount: Mount) -> dict[str, Any]:
+    return dict(json.loads((mount.path / ".kvfs" / "usage.json").read_bytes()))
 
 
 def test_a_renamed_chunk_whose_publish_fails_is_dropped_with_its_name(long_seals: Mount) -> None:
