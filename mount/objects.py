@@ -1695,8 +1695,9 @@ class Objects:
 
     async def await_renamed_publish(self, node: Node) -> None:
         """A reader's open of a file that its rename is publishing in the background
-        (``_publish_renamed``: one pool trip) waits for that publish, within the deadline, and
-        then reads the chunk as published (passed through, counted), not its temp file."""
+        (``_publish_renamed``: one pool trip) waits for that publish, within the deadline (EIO
+        past it, as for any wait on the store), and then reads the chunk as published (passed
+        through, counted), not its temp file."""
         ws = self.writes.get(node.ino)
         if ws is not None and ws.publishing is not None and not ws.publishing.done:
             await self.wait(ws.publishing)

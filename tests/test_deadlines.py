@@ -191,7 +191,8 @@ def test_a_chunk_opened_while_its_rename_publishes_it_is_read_as_published(
     """A reader that opens a chunk between its rename's answer and the publish that follows
     (here held up by the stalled store) waits for that publish and reads the chunk as
     published: counted as a read (eviction's recency, the hit rate), not served from the
-    temp file. The store answering within the deadline, the reader gets every byte."""
+    temp file. The store answering within the deadline, the reader gets every byte; past it,
+    EIO, as for any wait on the store."""
     outer, inner = stacked
     path = vllm_io.chunk_path(str(outer.path), 5)
     os.makedirs(os.path.dirname(path))
@@ -211,6 +212,20 @@ def test_a_chunk_opened_while_its_rename_publishes_it_is_read_as_published(
     reader.join(TIMEOUT * 5)
     assert loaded == [vllm_io.chunk_bytes(5, CHUNK)]
     assert counters(outer)["reads"] == reads_before + 1
+    # A publish the stalled store holds up past the deadline: the open fails with EIO in it.
+    path = vllm_io.chunk_path(str(outer.path), 6)
+    tmp, held = closed_temp(path, 6)
+    os.kill(inner.pid, signal.SIGSTOP)
+    try:
+        os.rename(tmp, path)
+        start = time.monotonic()
+        with pytest.raises(OSError) as err:
+            vllm_io.load(path, CHUNK)
+        assert err.value.errno == errno.EIO
+        assert time.monotonic() - start < TIMEOUT + 1.0
+    finally:
+        os.kill(inner.pid, signal.SIGCONT)
+        os.close(held)
 
 
 def counters(mount: Mount) -> dict[str, int]:
