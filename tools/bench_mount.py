@@ -177,7 +177,7 @@ def measure_lookups(target: Target, count: int, seed: int) -> dict[str, float]:
 
 
 # The floors: the least a FUSE daemon can do for a lookup, in C, answering from memory. Each
-# entry: its source beside this file and how to link it (None: it cannot be built here).
+# entry: its source beside this file and its link flags (raising where it cannot be built).
 FLOORS: dict[str, tuple[str, Callable[[], list[bytes]]]] = {
     # libfuse's loop reading /dev/fuse, as every daemon did before io_uring
     "floor": (
@@ -218,7 +218,7 @@ def floor_daemon(name: str, base: Path, quiet: bool) -> Iterator[Path | None]:
 
 
 def measure_floor(root: Path, count: int, seed: int) -> dict[str, float]:
-    """``measure_lookups`` on the floor daemon: its names need no store to exist."""
+    """``measure_lookups`` on a floor daemon: its names need no store to exist."""
     out = {}
     for name, prefix, expect in (("lookup_hit", "h", True), ("lookup_miss", "m", False)):
         paths = [f"{root}/{prefix}{seed}-{i}" for i in range(count)]

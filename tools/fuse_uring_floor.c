@@ -172,6 +172,17 @@ static void *serve_queue(void *arg) {
     }
 }
 
+/* The kernel keeps a queue for every possible CPU and uses the ring once each has an entry. */
+static int possible_cpus(void) {
+    int first = 0, last = 0;
+    FILE *f = fopen("/sys/devices/system/cpu/possible", "r");
+    if (f == NULL || fscanf(f, "%d-%d", &first, &last) < 1)
+        last = (int)sysconf(_SC_NPROCESSORS_CONF) - 1;
+    if (f != NULL)
+        fclose(f);
+    return (last > first ? last : first) + 1;
+}
+
 int main(int argc, char *argv[]) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s MOUNTPOINT\n", argv[0]);
@@ -220,7 +231,7 @@ int main(int argc, char *argv[]) {
         if (write(dev_fd, reply, out->len) < 0)
             perror("write");
         if (in->opcode == FUSE_INIT) /* the kernel is initialized now: queues may register */
-            for (long cpu = 0; cpu < sysconf(_SC_NPROCESSORS_CONF); cpu++) {
+            for (int cpu = 0; cpu < possible_cpus(); cpu++) {
                 pthread_t thread;
                 pthread_create(&thread, NULL, serve_queue, (void *)(intptr_t)cpu);
             }
