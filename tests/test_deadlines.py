@@ -125,14 +125,18 @@ def test_a_close_that_stalls_on_the_store_holds_up_no_other_request(
         assert os.stat(path).st_size == CHUNK
         assert time.monotonic() - start < 0.5
         # And one that does fails within the deadline, never later.
-        start = time.monotonic()
-        with pytest.raises(OSError) as err:
-            vllm_io.load(path, CHUNK)
-        assert err.value.errno == errno.EIO
-        assert time.monotonic() - start < TIMEOUT + 1.0
+        assert_load_fails_within_the_deadline(path)
     finally:
         wake.cancel()
         os.kill(inner.pid, signal.SIGCONT)
+
+
+def assert_load_fails_within_the_deadline(path: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(OSError) as err:
+        vllm_io.load(path, CHUNK)
+    assert err.value.errno == errno.EIO
+    assert time.monotonic() - start < TIMEOUT + 1.0
 
 
 def closed_temp(path: str, key: int) -> tuple[str, int]:
@@ -218,11 +222,7 @@ def test_a_chunk_opened_while_its_rename_publishes_it_is_read_as_published(
     os.kill(inner.pid, signal.SIGSTOP)
     try:
         os.rename(tmp, path)
-        start = time.monotonic()
-        with pytest.raises(OSError) as err:
-            vllm_io.load(path, CHUNK)
-        assert err.value.errno == errno.EIO
-        assert time.monotonic() - start < TIMEOUT + 1.0
+        assert_load_fails_within_the_deadline(path)
     finally:
         os.kill(inner.pid, signal.SIGCONT)
         os.close(held)
