@@ -3,8 +3,9 @@
 A file is published when its writer closes it; but the kernel also closes every file of a
 process that is killed, and a FUSE daemon sees both as the same FLUSH. The difference is in
 /proc: a process being torn down by a signal has PF_EXITING set and its exit code holds that
-signal, from before it closes its files until its parent reaps it. So a writer killed mid-file
-can be told from one that closed (or exited normally) and its partial file is never published.
+signal, from before it closes its files until its parent reaps it, in the thread that closes
+them too. So a writer killed mid-file can be told from one that closed (or exited normally)
+and its partial file is never published.
 """
 
 from __future__ import annotations
@@ -47,15 +48,16 @@ def groups(tid: int) -> frozenset[int]:
 
 
 def killed_by_signal(pid: int) -> bool:
-    """Whether process ``pid`` is exiting, or has exited, because a signal killed it.
+    """Whether process or thread ``pid`` is exiting, or has exited, because a signal killed it
+    (every thread of a killed process exits with that signal).
 
     False when it is alive and well, exited normally, is gone, or /proc does not tell (the
     exit code is only shown to a reader allowed to ptrace the process, such as root).
     """
     try:
-        # The leader thread's own stat: the state, flags and exit code read the same as the
-        # process's, without the process's CPU times summed over every thread (a FLUSH asks
-        # this of an engine with hundreds of threads: 5.4 -> 2.6 us with 200 here).
+        # The thread's own stat (for a process, its leader's): the state, flags and exit code,
+        # without the process's CPU times summed over every thread (a FLUSH asks this of an
+        # engine with hundreds of threads: 5.4 -> 2.6 us with 200 here).
         stat = _read(f"/proc/{pid}/task/{pid}/stat")
     except OSError:
         return False

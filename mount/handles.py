@@ -22,7 +22,9 @@ Entry = tuple[bytes, Node | int]  # a name in a listing; an int is a control fil
 class Handle:
     node: Node
     writable: bool
-    opener: int = 0  # the process that opened it (a writer killed mid-file is not published)
+    # The process that opened it, where the session's FLUSH does not name its caller (pyfuse3):
+    # a writer killed mid-file is not published.
+    opener: int = 0
     passthrough: bool = False  # the kernel reads and writes it itself, not through us
     reader: Reader | None = None  # the version this reader opened
     content: Future[tuple[Reader, ChunkBuffer]] | None = None  # that version, read and verified

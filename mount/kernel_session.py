@@ -1470,12 +1470,12 @@ class KernelSession:
 
     async def _flush(self, req: _Request) -> None:
         (fh, *_) = abi.FLUSH_IN.unpack_from(req.body)
-        await self._ops.flush(fh)
+        await self._ops.flush(fh, req.pid)
         self._reply(req, [])
 
     def _flush_now(self, req: _Request) -> None:
         (fh, *_) = abi.FLUSH_IN.unpack_from(req.body)
-        self._ops.flush_now(fh)
+        self._ops.flush_now(fh, req.pid)
         self._reply(req, [])
 
     async def _release(self, req: _Request) -> None:

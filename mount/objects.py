@@ -1086,22 +1086,23 @@ class Objects:
         if ws.buffer.capacity < before:
             self.budget.release(before - ws.buffer.capacity)
 
-    async def close_write(self, node: Node, opener: int) -> None:
+    async def close_write(self, node: Node, closer: int) -> None:
         """A writer's close() (FLUSH): write the bytes to a temp file now, so that errors reach
         it; the last release publishes them. The close the kernel makes for a writer it is
-        tearing down after a kill publishes nothing."""
-        ws = self._closing(node, opener)
+        tearing down after a kill publishes nothing: ``closer`` is the thread that closes, or
+        the process that opened the file where the session does not tell (pyfuse3)."""
+        ws = self._closing(node, closer)
         if ws is not None:
             await self._prepare_or_fail(node, ws, durable=False)
 
-    def close_write_now(self, node: Node, opener: int) -> None:
+    def close_write_now(self, node: Node, closer: int) -> None:
         """``close_write`` from memory: a passthrough file's close only reserves its room (its
         seal waits for the last release). NeedsIO where that would wait, or a buffer is to be
         written."""
         ws = self.writes.get(node.ino)
         if ws is not None and ws.dirty and (ws.file is None or ws.lock.locked()):
             raise NeedsIO()
-        ws = self._closing(node, opener)
+        ws = self._closing(node, closer)
         if ws is None:
             return
         current, version = ws.prepared, self._version(ws)
@@ -1114,7 +1115,7 @@ class Objects:
         node.mtime_ns = version[1]
         ws.prepared = Prepared(None, version, self._file_attrs(node), held, durable=False)
 
-    def _closing(self, node: Node, opener: int) -> WriteState | None:
+    def _closing(self, node: Node, closer: int) -> WriteState | None:
         """The file a writer's close is to prepare for its publish; None if none is (nothing
         written, or the close of a writer killed with it open)."""
         ws = self.writes.get(node.ino)
@@ -1122,7 +1123,7 @@ class Objects:
             return None
         if ws.failed is not None:
             raise fail(ws.failed)
-        if process.killed_by_signal(opener):
+        if process.killed_by_signal(closer):
             ws.abandoned = True
             log.warning("%s: its writer was killed with it open: not published", self._name(node))
             return None

@@ -160,8 +160,14 @@ class KvfsOperations(NameRequests):
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         """The reply to a create that made the file: its writer's handle and its entry."""
         self.lookups.made(parent, name)
-        handle = Handle(node, True, process.thread_group(ctx.pid), passthrough=passthrough)
+        handle = Handle(node, True, self._opener(ctx), passthrough=passthrough)
         return self._file_info(handle), self._entry(node)
+
+    def _opener(self, ctx: pyfuse3.RequestContext) -> int:
+        """The process a writer's FLUSH asks /proc about (was it killed with the file open?)
+        where the FLUSH does not name the thread that closes (pyfuse3): the opener's. 0 where
+        it does: each FLUSH then asks about its own caller (``flush``)."""
+        return 0 if sessions.names_flush_caller(self.session) else process.thread_group(ctx.pid)
 
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if inode == control.LOOKUP_INO:
@@ -178,7 +184,7 @@ class KvfsOperations(NameRequests):
             raise FUSEError(errno.EISDIR)
         if flags & os.O_ACCMODE != os.O_RDONLY:
             await self.objects.open_write(node, bool(flags & os.O_TRUNC))
-            handle = Handle(node, True, process.thread_group(ctx.pid), passthrough=True)
+            handle = Handle(node, True, self._opener(ctx), passthrough=True)
             return self._file_info(handle)
         held = self._reopen_held(node)
         if held is not None:
@@ -253,18 +259,22 @@ class KvfsOperations(NameRequests):
         await self.objects.write(handle.node, off, buf)
         return len(buf)
 
-    async def flush(self, fh: int) -> None:
-        """close(): where a written file's errors (ENOSPC, EIO) can still reach the writer."""
+    async def flush(self, fh: int, caller: int = 0) -> None:
+        """close(): where a written file's errors (ENOSPC, EIO) can still reach the writer.
+        ``caller``: the thread that closes, where the session names it (the kernel session);
+        a process killed with the file open closes it from its exiting thread. Any process
+        holding the descriptor may be the one killed mid-file (a child that inherited it), so
+        each close is asked about its own caller; pyfuse3's, about the opener's process."""
         handle = self._writer(fh)
         if handle is not None:
-            await self.objects.close_write(handle.node, handle.opener)
+            await self.objects.close_write(handle.node, caller or handle.opener)
 
-    def _flush_now(self, fh: int) -> None:
+    def _flush_now(self, fh: int, caller: int = 0) -> None:
         """FLUSH from memory, in the kernel session's receive loop (``Objects.close_write_now``):
         NeedsIO where it would wait."""
         handle = self._writer(fh)
         if handle is not None:
-            self.objects.close_write_now(handle.node, handle.opener)
+            self.objects.close_write_now(handle.node, caller or handle.opener)
 
     def _writer(self, fh: int) -> Handle | None:
         """A file's handle open for writing; None for any other handle."""

@@ -71,6 +71,12 @@ def passthrough(session: FuseSession) -> bool:
     return isinstance(session, KernelSession) and session.passthrough
 
 
+def names_flush_caller(session: FuseSession) -> bool:
+    """Whether the session's FLUSH names the thread that closes the file (kvfs's own does;
+    pyfuse3 gives ``flush()`` no request context)."""
+    return isinstance(session, KernelSession)
+
+
 def holds_backing(session: FuseSession, ino: int) -> bool:
     """Whether the session can pass an open of ``ino`` through to a backing file it still
     holds (the kernel session keeps those of recent opens)."""

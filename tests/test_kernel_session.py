@@ -98,6 +98,7 @@ class MemoryFS(pyfuse3.Operations):
         self.looked_up: Counter[bytes] = Counter()
         self.attr_reads: Counter[int] = Counter()  # getattr, by inode
         self.write_sizes: list[int] = []
+        self.flush_callers: list[int] = []
         self.passthrough = True
         self.served: set[int] = set()  # inodes opened without passthrough regardless
         self.slow: dict[bytes, float] = {}
@@ -286,8 +287,9 @@ class MemoryFS(pyfuse3.Operations):
         self.write_sizes.append(len(buf))
         return os.pwrite(self.handles[fh], buf, off)
 
-    async def flush(self, fh: int) -> None:
+    async def flush(self, fh: int, caller: int = 0) -> None:
         self.calls["flush"] += 1
+        self.flush_callers.append(caller)
 
     async def release(self, fh: int) -> None:
         self.calls["release"] += 1
@@ -534,6 +536,7 @@ def test_served_create_write_read_flush_release(fs: MemoryFS, mnt: Path) -> None
     with open(mnt / "f", "wb", buffering=0) as f:
         assert f.write(data) == len(data)
     assert fs.calls["create"] == 1 and fs.calls["flush"] >= 1
+    assert set(fs.flush_callers) == {threading.get_native_id()}  # the thread that closed
     assert max(fs.write_sizes) == MiB  # max_write and max_pages were agreed
     assert (fs.backing / str(os.stat(mnt / "f").st_ino)).read_bytes() == data
     assert (mnt / "f").read_bytes() == data

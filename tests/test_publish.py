@@ -206,6 +206,37 @@ def test_a_writer_killed_mid_file_leaves_no_partial_file_under_its_name(
     assert sorted(os.listdir(fresh_mount.path)) == ["chunk.bin"]
 
 
+INHERITED = textwrap.dedent(
+    """
+    import os, sys
+    fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    child = os.fork()
+    if child == 0:  # writes a quarter of the chunk through the descriptor it inherited, and dies
+        os.write(fd, b"p" * (1 << 20))
+        os.kill(os.getpid(), 9)
+    os.close(fd)  # the opener closes its copy, alive and well
+    _, status = os.waitpid(child, 0)
+    sys.exit(0 if os.WIFSIGNALED(status) else 1)
+    """
+)
+
+
+def test_a_file_whose_last_writer_was_killed_mid_file_is_not_published(
+    fresh_mount: Mount,
+) -> None:
+    """The writer killed with the file open need not be the process that created it: a child
+    that inherited the descriptor, wrote through it and was killed leaves nothing under the
+    name either, though the creator closed its copy and lives on. (Where the FLUSH names the
+    thread that closes: kvfs's own session; pyfuse3 tells the daemon only who opened it.)"""
+    usage = json.loads((fresh_mount.path / ".kvfs" / "usage.json").read_bytes())
+    if usage["session"]["name"] != "kernel":
+        pytest.skip("pyfuse3's flush() is not told its caller: the opener's kill is checked")
+    path = fresh_mount.path / "inherited.bin"
+    subprocess.run([sys.executable, "-c", INHERITED, str(path)], check=True)
+    fresh_mount.settle()
+    assert not path.exists() and not (fresh_mount.backing / "inherited.bin").exists()
+
+
 def test_a_quarantined_chunk_is_gone_for_every_later_lookup_and_never_read_short(
     fresh_mount: Mount,
 ) -> None:
