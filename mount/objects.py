@@ -667,9 +667,10 @@ class Objects:
 
     def _publish_renamed(self, node: Node, closed: WriteState) -> None:
         """Publish a closed file under the name its rename just gave it, in the background:
-        the rename is answered at once (a reader meanwhile is served from the temp file). A
-        daemon killed before the publish ends, one pool trip later, drops the chunk (a cache
-        miss, as for a file whose release it had not published yet); never part of it."""
+        the rename is answered at once (a reader that opens it meanwhile waits for this
+        publish, ``await_renamed_publish``). A daemon killed before the publish ends, one pool
+        trip later, drops the chunk (a cache miss, as for a file whose release it had not
+        published yet); never part of it."""
 
         async def publish() -> None:
             try:
@@ -1681,8 +1682,9 @@ class Objects:
     async def open_read(self, node: Node, passthrough: bool = False) -> Reader | None:
         """Open the published version of a file for a reader. While it is being written: None
         for a buffered one (its readers see the buffer until the version they will read is
-        published), the temp file for a passthrough one. ``passthrough``: for the kernel to
-        read itself (not O_DIRECT)."""
+        published), the temp file for a passthrough one; once its rename published it as it
+        stands, the published version. ``passthrough``: for the kernel to read itself (not
+        O_DIRECT)."""
         ws = self.writes.get(node.ino)
         if ws is not None and not self._renamed_and_published(node, ws):
             return None if ws.file is None else Reader(os.dup(ws.file.fd), None, unpublished=True)
