@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import signal
 import threading
@@ -20,6 +19,7 @@ import pytest
 
 from kvfs import vllm_layout
 from tests.conftest import Mount, wait_gone
+from tests.test_shared import counters
 from tools import vllm_io
 
 TIMEOUT = 1.0
@@ -226,7 +226,3 @@ def test_a_chunk_opened_while_its_rename_publishes_it_is_read_as_published(
     finally:
         os.kill(inner.pid, signal.SIGCONT)
         os.close(held)
-
-
-def counters(mount: Mount) -> dict[str, int]:
-    return dict(json.loads((mount.path / ".kvfs" / "usage.json").read_bytes())["counters"])
