@@ -1205,16 +1205,20 @@ class Objects:
 
     async def _release_writer(self, node: Node, ws: WriteState) -> None:
         gone: Node | None = None
-        async with ws.lock:  # after a prepare that outlived its deadline
-            try:
-                if ws.writers == 1:
-                    await self._publish(node, ws)
-                    if self._written_after_rename(ws):
-                        await self._quarantine(node, "written after its rename published it")
-            finally:
-                gone = self.drop_writer(node)
-        if gone is not None:  # unpublished, its name went: the kernel must know before we answer
-            await self.listener.name_gone_now(gone, node.name, node)
+        try:
+            async with ws.lock:  # after a prepare that outlived its deadline
+                try:
+                    if ws.writers == 1:
+                        await self._publish(node, ws)
+                        if self._written_after_rename(ws):
+                            await self._quarantine(node, "written after its rename published it")
+                finally:
+                    gone = self.drop_writer(node)
+        finally:
+            # Unpublished (its publish may have just failed), its name went: the kernel must
+            # know before the release ends.
+            if gone is not None:
+                await self.listener.name_gone_now(gone, node.name, node)
 
     async def _prepare_or_fail(self, node: Node, ws: WriteState, durable: bool) -> None:
         try:
