@@ -8,7 +8,7 @@ APT_PKGS    := fuse3 libfuse3-dev pkg-config attr gcc
 VLLM        := vllm==0.33.0
 TORCH       := torch==2.13.0
 
-.PHONY: run test lint unit apt clean install
+.PHONY: run test test-io-uring lint unit apt clean install
 
 run: apt $(VENV)/.mount
 	$(PY) -m tools.demo $(MOUNTPOINT)
@@ -30,6 +30,18 @@ test: export KVFS_TEST_SSHFS = required
 test: apt $(VENV)/.test lint
 	$(PY) -m pytest -q
 	KVFS_TEST_SESSION=kernel $(PY) -m pytest -q $(MOUNT_TESTS)
+	$(MAKE) --no-print-directory test-io-uring
+
+# The kernel session once more over FUSE-over-io_uring (Linux 6.14+): the module parameter is
+# set for this run only, and put back as it was.
+URING_PARAM := /sys/module/fuse/parameters/enable_uring
+test-io-uring: $(VENV)/.test
+	@if [ ! -w $(URING_PARAM) ]; then \
+		echo "no FUSE-over-io_uring in this kernel: its test run is skipped"; exit 0; fi; \
+	was=$$(cat $(URING_PARAM)); echo Y > $(URING_PARAM); \
+	KVFS_TEST_SESSION=kernel KVFS_TEST_IO_URING=auto $(PY) -m pytest -q $(MOUNT_TESTS) \
+		tests/test_kernel_session.py; \
+	rc=$$?; echo $$was > $(URING_PARAM); exit $$rc
 
 # mypy checks the package as it is installed, kvfs/ with mount/ and connector/ inside it
 # (setuptools' package-dir, which mypy cannot follow), from a tree of symlinks.
@@ -60,9 +72,9 @@ $(VENV)/bin/python:
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 
-# (kvfs/_chunk_calls.c and mount/_dev_read.c are built by the install, beside them: again
-# when they change)
-$(VENV)/.mount: pyproject.toml kvfs/_chunk_calls.c mount/_dev_read.c | $(VENV)/bin/python
+# (kvfs/_chunk_calls.c, mount/_dev_read.c and mount/_ring.c are built by the install, beside
+# them: again when they change)
+$(VENV)/.mount: pyproject.toml kvfs/_chunk_calls.c mount/_dev_read.c mount/_ring.c | $(VENV)/bin/python
 	$(VENV)/bin/pip install -q -e '.[mount]'
 	touch $@
 

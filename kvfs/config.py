@@ -15,6 +15,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE
 
 SESSIONS = ("auto", "kernel", "pyfuse3")
 VERIFY_MODES = ("every-read", "first-read")
+IO_URING_MODES = ("auto", "off")
 
 
 class ConfigError(ValueError):
@@ -149,6 +150,9 @@ class MountConfig:
     # The FUSE session: "pyfuse3" (libfuse, unprivileged mounts), "kernel" (kvfs speaks the
     # protocol on /dev/fuse itself, root, can pass reads through), "auto" (kernel where it may).
     session: str = "auto"
+    # The kernel session's requests over FUSE-over-io_uring: "auto" where the kernel offers it
+    # (module parameter fuse.enable_uring=Y), "off" to stay on /dev/fuse.
+    io_uring: str = "auto"
     # "every-read": every read is served by the daemon and verified. "first-read": a chunk is
     # verified once (at its publish, or its first read), then read in passthrough where the
     # session has it.
@@ -198,6 +202,10 @@ class MountConfig:
         parse_fuse_options(list(self.fuse_options))
         if self.session not in SESSIONS:
             raise ConfigError(f"session: {self.session!r} is not one of {', '.join(SESSIONS)}")
+        if self.io_uring not in IO_URING_MODES:
+            raise ConfigError(
+                f"io-uring: {self.io_uring!r} is not one of {', '.join(IO_URING_MODES)}"
+            )
         if self.verify not in VERIFY_MODES:
             raise ConfigError(f"verify: {self.verify!r} is not one of {', '.join(VERIFY_MODES)}")
         if not 0 <= self.file_umask <= 0o777:

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvfs.config import (
     FUSE_OPTIONS,
+    IO_URING_MODES,
     SESSIONS,
     VERIFY_MODES,
     ConfigError,
@@ -223,6 +224,14 @@ OPTIONS: tuple[Option, ...] = (
         "filesystem, else pyfuse3; the log says which and why)",
         field="session",
         choices=SESSIONS,
+    ),
+    Option(
+        "io-uring",
+        "kernel session: take requests over FUSE-over-io_uring where the kernel offers it "
+        "(auto; Linux 6.14+ with fuse.enable_uring=Y: a request is served on its caller's CPU, "
+        "a first-time miss without the interpreter), or stay on /dev/fuse (off)",
+        field="io_uring",
+        choices=IO_URING_MODES,
     ),
     Option(
         "verify",

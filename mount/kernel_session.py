@@ -73,7 +73,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyfuse3
 import trio
@@ -82,6 +82,10 @@ from kvfs.mount import fuse_abi as abi
 from kvfs.mount.bridge import NeedsIO
 from kvfs.mount.fuse_abi import InitFlag, NotifyCode, Opcode, OpenFlag, SetattrValid
 from kvfs.mount.receiver import Receiver
+from kvfs.mount.ring import LoopIdle, RingReceiver, open_ring
+
+if TYPE_CHECKING:
+    from kvfs.mount._ring import Ring
 
 _answer_miss: Callable[..., int] | None
 try:
@@ -390,6 +394,8 @@ _NS = 1_000_000_000
 # (and at each wait for the next one, and after each task it starts): a pass through trio's
 # scheduler per request was a sixth of an inline lookup's cost.
 YIELD_EVERY = 8
+# Seconds between timings of the misses the io_uring queues' threads answered.
+RING_MISSES_TIMED_EVERY = 0.1
 # A reply this small is sent as one joined buffer (an entry, an attribute, a small read).
 _JOINED = 4096
 _MAX_TIMEOUT = 1 << 40  # seconds; the kernel turns a timeout into jiffies, saturating
@@ -523,6 +529,7 @@ class _Stats:
     served_opens: int = 0
     backing_refused: int = 0
     backing_reused: int = 0  # passthrough opens on a backing file kept from an earlier open
+    ring_misses: int = 0  # first-time misses answered on the io_uring queues' threads
     errors: dict[int, int] = field(default_factory=dict)
 
 
@@ -544,18 +551,22 @@ class KernelSession:
         self,
         *,
         passthrough: bool = True,
+        io_uring: bool = True,
         max_write: int = MAX_WRITE,
         max_background: int = 64,
         congestion_threshold: int = 48,
         init_timeout: float = 10.0,
         drain_timeout: float = 30.0,
     ) -> None:
-        """``passthrough``: ask the kernel for it. ``max_background`` bounds the kernel's
-        asynchronous requests in flight (readahead, RELEASE): 64 rather than the kernel's
-        default 12 lets readahead of several readers overlap; past ``congestion_threshold`` of
-        them the kernel slows readahead down. ``drain_timeout``: how long ``main()``, once it
-        stops reading, waits for the requests in hand before it cancels their handlers."""
+        """``passthrough``: ask the kernel for it. ``io_uring``: take requests over
+        FUSE-over-io_uring where the kernel offers it (mount/ring.py). ``max_background``
+        bounds the kernel's asynchronous requests in flight (readahead, RELEASE): 64 rather than
+        the kernel's default 12 lets readahead of several readers overlap; past
+        ``congestion_threshold`` of them the kernel slows readahead down. ``drain_timeout``: how
+        long ``main()``, once it stops reading, waits for the requests in hand before it cancels
+        their handlers."""
         self.want_passthrough = passthrough
+        self.want_io_uring = io_uring
         self.max_write = max_write
         self.max_background = max_background
         self.congestion_threshold = congestion_threshold
@@ -569,6 +580,7 @@ class KernelSession:
         self.mountpoint: str | None = None
         self.options = MountOptions()
         self.stats = _Stats()
+        self._ring: Ring | None = None  # the io_uring queues (mount/ring.py), once INIT agreed them
         self._ops: Any = None
         self._fd: int | None = None
         self._dev: tuple[int, int] | None = None
@@ -728,69 +740,110 @@ class KernelSession:
             self._loop_thread = threading.get_ident()
             self._reader = reader
         slots = trio.Semaphore(max(1, max_tasks))
-        idle = slots.value - 1  # slots free while no request task runs (one is the next's)
-        receiver = Receiver(fd, self._bufsize)
-        fast, answer_miss = self._fast_misses, _answer_miss
-        miss = _negative_entry(fast.timeout) if fast is not None else b""
+        ring = self._ring
+        # Over io_uring, requests come from the ring's queues; forgets and interrupts still
+        # come on /dev/fuse, where the requests before the ring was ready came too.
+        receivers: list[Receiver] = [Receiver(fd, self._bufsize, spins=ring is None)]
+        if ring is not None:
+            receivers.append(RingReceiver(ring, self._bufsize))
+        # slots free while no request task runs (each receiver holds one for its next request)
+        idle = slots.value - len(receivers)
+        instrument = LoopIdle(ring) if ring is not None else None
         try:
             async with trio.open_nursery() as nursery:
                 self._tasks = nursery
                 with reader:
-                    unyielded = 0  # requests read since the loop last let other tasks run
-                    while True:
-                        if unyielded >= YIELD_EVERY:
-                            # (and after every task started: it runs up to its first wait
-                            # before the next request is read, so requests start in the
-                            # kernel's order; a RELEASE before the OPEN after it)
-                            unyielded = 0
-                            await trio.lowlevel.checkpoint()
-                        try:  # a free slot without a pass through the scheduler
-                            slots.acquire_nowait()
-                        except trio.WouldBlock:
-                            unyielded = 0
-                            await slots.acquire()
-                        unyielded += 1
-                        is_idle = slots.value == idle
-                        if is_idle:
-                            self._answered_all()
-                        size = receiver.now(is_idle)
-                        if size < 0:  # none yet: wait in trio (or the read failed)
-                            try:
-                                waited = await receiver.wait(size, is_idle)
-                            except BaseException:
-                                slots.release()
-                                raise
-                            if waited is None:
-                                slots.release()
-                                break
-                            size = waited
-                        if fast is not None and answer_miss is not None:  # a miss, in C
-                            took = answer_miss(fd, receiver.buf, size, fast.dirs, fast.noted, miss)
-                            if took:
-                                if took > 0:
-                                    fast.answered(took * 1e-9)
-                                else:
-                                    _not_sent(Opcode.LOOKUP, -took)
-                                slots.release()
-                                continue
-                        req = self._parse(receiver.view, size)
-                        inline = self._inline.get(req.opcode)
-                        if (
-                            inline is not None
-                            and not self._turned_away(req)
-                            and self._serve_now(inline, req)  # no task: a third less latency
-                        ):
-                            slots.release()
-                            continue
-                        nursery.start_soon(self._serve, req, slots)
-                        unyielded = YIELD_EVERY
+                    if instrument is not None:
+                        trio.lowlevel.add_instrument(instrument)
+                    async with trio.open_nursery() as receiving:
+                        for receiver in receivers[1:]:
+                            receiving.start_soon(self._receive_ring, receiver, slots, idle)
+                            receiving.start_soon(self._time_ring_misses)
+                        await self._receive(receivers[0], slots, idle, dev=True)
+                        receiving.cancel_scope.cancel()
                 # A handler that never returns must not keep the daemon from stopping: past
                 # the deadline its request stays unanswered until close() ends it.
                 nursery.cancel_scope.deadline = trio.current_time() + self.drain_timeout
         finally:
+            if instrument is not None:
+                with contextlib.suppress(KeyError):
+                    trio.lowlevel.remove_instrument(instrument)
             with self._lock:
                 self._token = self._loop_thread = self._reader = None
             self._tasks = None
+
+    async def _receive(
+        self, receiver: Receiver, slots: trio.Semaphore, idle: int, dev: bool = False
+    ) -> None:
+        """Serve what ``receiver`` delivers until it ends (the mount went away). ``dev``: it
+        reads /dev/fuse, where first-time misses may be answered in C (``answer_miss``)."""
+        nursery = self._tasks
+        assert nursery is not None
+        fast, answer_miss = (self._fast_misses, _answer_miss) if dev else (None, None)
+        miss = _negative_entry(fast.timeout) if fast is not None else b""
+        fd = receiver.fd
+        unyielded = 0  # requests read since the loop last let other tasks run
+        while True:
+            if unyielded >= YIELD_EVERY:
+                # (and after every task started: it runs up to its first wait before the
+                # next request is read, so requests start in the kernel's order; a RELEASE
+                # before the OPEN after it)
+                unyielded = 0
+                await trio.lowlevel.checkpoint()
+            try:  # a free slot without a pass through the scheduler
+                slots.acquire_nowait()
+            except trio.WouldBlock:
+                unyielded = 0
+                await slots.acquire()
+            unyielded += 1
+            is_idle = slots.value == idle
+            if is_idle:
+                self._answered_all()
+            size = receiver.now(is_idle)
+            if size < 0:  # none yet: wait in trio (or the read failed)
+                try:
+                    waited = await receiver.wait(size, is_idle)
+                except BaseException:
+                    slots.release()
+                    raise
+                if waited is None:
+                    slots.release()
+                    return
+                size = waited
+            if fast is not None and answer_miss is not None:  # a miss, in C
+                took = answer_miss(fd, receiver.buf, size, fast.dirs, fast.noted, miss)
+                if took:
+                    if took > 0:
+                        fast.answered(took * 1e-9)
+                    else:
+                        _not_sent(Opcode.LOOKUP, -took)
+                    slots.release()
+                    continue
+            req = self._parse(receiver.view, size)
+            inline = self._inline.get(req.opcode)
+            if (
+                inline is not None
+                and not self._turned_away(req)
+                and self._serve_now(inline, req)  # no task: a third less latency
+            ):
+                slots.release()
+                continue
+            nursery.start_soon(self._serve, req, slots)
+            unyielded = YIELD_EVERY
+
+    async def _receive_ring(self, receiver: Receiver, slots: trio.Semaphore, idle: int) -> None:
+        """``_receive`` over the io_uring queues; their end ends the session's reading (they
+        end with the connection; one that failed would leave its CPU's callers waiting)."""
+        try:
+            await self._receive(receiver, slots, idle)
+        finally:
+            errors = [err for err in self._ring.errors() if err] if self._ring else []
+            if errors:
+                log.error("the io_uring queues stopped: %s", os.strerror(errors[0]))
+        with self._lock:
+            reader = self._reader
+        if reader is not None:
+            reader.cancel()
 
     def terminate(self) -> None:
         """Make ``main()`` stop reading requests and return once those in hand are answered
@@ -816,6 +869,9 @@ class KernelSession:
         (it may wait there for a request nobody will answer now) is freed by aborting the
         connection through fusectl, which is what closing the device does.
         """
+        ring, self._ring = self._ring, None
+        if ring is not None:  # first: its pending commands hold the device open
+            ring.close()
         with self._lock:
             fd, self._fd = self._fd, None
         if fd is not None:
@@ -895,6 +951,11 @@ class KernelSession:
         if dev is None:  # the kernel dropped every id with the connection
             return
         fcntl.ioctl(dev, abi.DEV_IOC_BACKING_CLOSE, bytearray(struct.pack("=I", backing_id)), True)
+
+    @property
+    def io_uring(self) -> bool:
+        """Whether requests come over FUSE-over-io_uring (known once init() has returned)."""
+        return self._ring is not None
 
     @property
     def backings(self) -> int:
@@ -1065,6 +1126,8 @@ class KernelSession:
             want |= InitFlag.WRITEBACK_CACHE  # excludes passthrough (kernel rule)
         elif self.want_passthrough:
             want |= InitFlag.PASSTHROUGH
+        if self.want_io_uring:
+            want |= InitFlag.OVER_IO_URING
         granted = want & offered
         if not granted & InitFlag.DO_READDIRPLUS:
             # Operations count every readdir entry as a lookup, which only READDIRPLUS makes
@@ -1100,12 +1163,19 @@ class KernelSession:
         )
         if not self._reply(req, [out]):
             raise RuntimeError("the kernel refused the INIT reply")
+        if granted & InitFlag.OVER_IO_URING:  # (the queues register once the kernel is set up)
+            assert self._fd is not None
+            self._ring = open_ring(self._fd, max(self.max_write, max_pages * PAGE_SIZE))
+            fast = self._fast_misses
+            if self._ring is not None and fast is not None:
+                self._ring.fast_misses(fast.dirs, fast.noted, _negative_entry(fast.timeout))
         log.info(
-            "FUSE %d.%d with the kernel (it speaks 7.%d); passthrough %s",
+            "FUSE %d.%d with the kernel (it speaks 7.%d); passthrough %s; io_uring %s",
             abi.KERNEL_VERSION,
             self.proto_minor,
             minor,
             "on" if self.passthrough else "off",
+            "on" if self._ring is not None else "off",
         )
         return True
 
@@ -1119,10 +1189,27 @@ class KernelSession:
         return _Request(header, view[start:end].tobytes())
 
     def _answered_all(self) -> None:
+        self.time_ring_misses()
         try:
             self._idle_now()
         except Exception:
             log.exception("idle_now failed")
+
+    def time_ring_misses(self) -> None:
+        """Time the misses the ring's threads answered since (into the lookup latencies). On
+        the loop's thread only."""
+        ring, fast = self._ring, self._fast_misses
+        if ring is not None and fast is not None:
+            for took in ring.answered():
+                self.stats.ring_misses += 1
+                fast.answered(took * 1e-9)
+
+    async def _time_ring_misses(self) -> None:
+        """Misses answered on the ring's threads never wake the loop: time them now and then
+        too, not only when a request comes (a scrape of /metrics would miss them)."""
+        while True:
+            await trio.sleep(RING_MISSES_TIMED_EVERY)
+            self.time_ring_misses()
 
     def _serve_now(self, handler: Callable[[_Request], None], req: _Request) -> bool:
         """Answer a request inline; False if it needs I/O after all (``NeedsIO``): it is then
@@ -1194,6 +1281,11 @@ class KernelSession:
         fd = self._fd
         if fd is None:
             return False
+        # A request that came over io_uring is answered there: its CPU's thread commits the
+        # answer. (Its caller waits for it whatever happens, as on /dev/fuse once a request is
+        # read; only the connection's end takes it away, and then nothing is left to undo.)
+        if self._ring is not None and self._ring.reply(parts):
+            return True
         try:
             os.write(fd, parts[0]) if len(parts) == 1 else os.writev(fd, parts)
         except OSError as err:

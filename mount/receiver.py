@@ -50,19 +50,21 @@ except ImportError:  # pragma: no cover
 
 
 class Receiver:
-    """Requests from one /dev/fuse fd (opened O_NONBLOCK) into one buffer, ``view`` on it."""
+    """Requests from one /dev/fuse fd (opened O_NONBLOCK) into one buffer, ``view`` on it.
+    ``spins``: False where another receiver does the spinning (mount/ring.py)."""
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, spins: bool = True) -> None:
         self.fd = fd
         self.buf = bytearray(size)
         self.view = memoryview(self.buf)
-        self.spin = True  # whether to read again before sleeping
+        self.spins = spins
+        self.spin = spins  # whether to read again before sleeping
 
     def now(self, idle: bool) -> int:
         """The next request's size, read without leaving the loop (spinning first where
         ``idle``: no request task under way); -errno where none came (-EAGAIN) or the read
         failed: hand that to ``wait``."""
-        return _read(self.fd, self.buf, _SPIN_NS if idle and self.spin else 0)
+        return self._read(_SPIN_NS if idle and self.spin else 0)
 
     async def wait(self, failed: int, idle: bool) -> int | None:
         """The next request's size after ``now`` returned ``failed``; None once the mount is
@@ -74,13 +76,19 @@ class Receiver:
         size = failed
         while size < 0:
             if size == -errno.EAGAIN:
-                await trio.lowlevel.wait_readable(self.fd)
+                await self._sleep()
             elif -size in (errno.ENODEV, errno.ECONNABORTED):
                 return None
             else:
                 raise OSError(-size, os.strerror(-size))
-            size = _read(self.fd, self.buf, 0)
-        if idle:  # a wake-up soon after the spin gave up: spin again next time
+            size = self._read(0)
+        if idle and self.spins:  # a wake-up soon after the spin gave up: spin again next time
             waited = time.perf_counter() - start + (SPIN_SECONDS if spun else 0)
             self.spin = waited < SPIN_AGAIN
         return size
+
+    def _read(self, spin_ns: int) -> int:
+        return _read(self.fd, self.buf, spin_ns)
+
+    async def _sleep(self) -> None:
+        await trio.lowlevel.wait_readable(self.fd)

@@ -44,14 +44,15 @@ def may_hang(kind: str) -> bool:
 
 def choose(cfg: MountConfig) -> tuple[FuseSession, str]:
     """The session for ``cfg``, and why (for the log)."""
+    io_uring = cfg.io_uring == "auto"
     if cfg.session == "pyfuse3":
         return pyfuse3, "asked for"
     if cfg.session == "kernel":
         kind = filesystem_type(cfg.backing)
         if may_hang(kind):  # the kernel would take an sshfs or NFS file as a backing file
             why = f"asked for; backing store on {kind}: no passthrough, reads keep the deadline"
-            return KernelSession(passthrough=False), why
-        return KernelSession(), "asked for"
+            return KernelSession(passthrough=False, io_uring=io_uring), why
+        return KernelSession(io_uring=io_uring), "asked for"
     if cfg.verify == "every-read":
         return pyfuse3, "--verify every-read: the daemon serves every read, none passes through"
     if os.geteuid() != 0:
@@ -59,7 +60,7 @@ def choose(cfg: MountConfig) -> tuple[FuseSession, str]:
     kind = filesystem_type(cfg.backing)
     if may_hang(kind):
         return pyfuse3, f"backing store on {kind}: a passthrough read could hang past any deadline"
-    return KernelSession(), f"root, backing store on {kind}"
+    return KernelSession(io_uring=io_uring), f"root, backing store on {kind}"
 
 
 def name(session: FuseSession) -> str:
@@ -87,10 +88,13 @@ def report(session: FuseSession) -> dict[str, object]:
     """Which session serves the mount and, for kvfs's own, how its opens went."""
     if not isinstance(session, KernelSession):
         return {"name": "pyfuse3", "passthrough": False}
+    session.time_ring_misses()  # (the report is made on the loop)
     stats = session.stats
     return {
         "name": "kernel",
         "passthrough": session.passthrough,
+        "io_uring": session.io_uring,
+        "ring_misses": stats.ring_misses,
         "passthrough_opens": stats.passthrough_opens,
         "served_opens": stats.served_opens,
         "backing_reused": stats.backing_reused,

@@ -1,14 +1,15 @@
 """vLLM's fs-tier I/O pattern on the plain backing directory and through a kvfs mount, side by side.
 
     python -m tools.bench_mount [--json] [--repeats 3] [--total-mib 256] [--base DIR]
-                                [--sessions pyfuse3,kernel[,kernel-at-publish]]
+                                [--sessions pyfuse3,kernel,kernel-io-uring[,kernel-at-publish]]
 
 For 2 MiB and 16 MiB chunks and 1, 4 and 16 threads it measures, on every target in the same
 run (the plain directory, and a kvfs mount per FUSE session: ``pyfuse3`` serves and verifies
 every read; ``kernel`` is kvfs's own /dev/fuse session with ``--verify first-read``, where the
 kernel reads verified chunks straight from their backing files and an O_DIRECT store is
-checksummed after its publish; ``kernel-at-publish``, if asked for, the same with the checksum
-read back by the publish itself):
+checksummed after its publish; ``kernel-io-uring`` the same over FUSE-over-io_uring (Linux
+6.14+; the bench sets fuse.enable_uring for its mounts and puts it back); ``kernel-at-publish``,
+if asked for, the same with the checksum read back by the publish itself):
   store      GB/s of exists → mkdir -p → O_EXCL temp → one write → close → rename
   cold_load  GB/s of open → one readv, the page cache dropped (the chunk stored a while ago)
   warm_load  GB/s of the same loads again, right after a first read
@@ -45,11 +46,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 from kvfs import control_protocol
+from kvfs.mount.ring import ENABLE_URING, io_uring_offered
 from tools import vllm_io
 
 KVFS = [sys.executable, "-m", "kvfs.cli"]
@@ -85,11 +87,13 @@ class Target:
             self.mount()
 
     def mount(self) -> None:
-        subprocess.run(
-            [*KVFS, "mount", str(self.root), "--backing", str(self.backing), *self.options],
-            check=True,
-            capture_output=True,
-        )
+        over_ring = "--io-uring" in self.options and ENABLE_URING.exists()
+        with io_uring_offered() if over_ring else nullcontext():
+            subprocess.run(
+                [*KVFS, "mount", str(self.root), "--backing", str(self.backing), *self.options],
+                check=True,
+                capture_output=True,
+            )
 
     def unmount(self) -> None:
         if self.backing is not None:
@@ -204,11 +208,12 @@ def floor_daemon(name: str, base: Path, quiet: bool) -> Iterator[Path | None]:
         yield None
         return
     mnt.mkdir()
-    daemon = subprocess.Popen([binary, mnt])
-    try:
+    with io_uring_offered() if name == "floor_uring" and ENABLE_URING.exists() else nullcontext():
+        daemon = subprocess.Popen([binary, mnt])
         deadline = time.monotonic() + 10
         while not os.path.ismount(mnt) and daemon.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
+    try:
         if not os.path.ismount(mnt):
             log(f"no {name} measured: {source_name} did not mount", quiet)
         yield mnt if os.path.ismount(mnt) else None
@@ -241,7 +246,9 @@ def main() -> int:
     parser.add_argument("--o-direct", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--base", type=Path, help="working directory (default: a temp dir)")
     parser.add_argument(
-        "--sessions", default="pyfuse3,kernel", help="kvfs sessions to measure (comma-separated)"
+        "--sessions",
+        default="pyfuse3,kernel,kernel-io-uring",
+        help="kvfs sessions to measure (comma-separated)",
     )
     args = parser.parse_args()
 
@@ -319,7 +326,9 @@ def main() -> int:
 # file back before it returns (--checksum-backlog 0).
 SESSIONS = {
     "pyfuse3": ("--session", "pyfuse3"),
-    "kernel": ("--session", "kernel", "--verify", "first-read"),
+    "kernel": ("--session", "kernel", "--verify", "first-read", "--io-uring", "off"),
+    # the same over FUSE-over-io_uring (offered to this mount for the run)
+    "kernel-io-uring": ("--session", "kernel", "--verify", "first-read", "--io-uring", "auto"),
     "kernel-at-publish": (
         "--session",
         "kernel",
