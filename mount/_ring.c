@@ -505,7 +505,7 @@ static struct entry *pop(Ring *r)
 
 /* take(buffer, spin_ns) -> size, or -errno: the next request handed over, into buffer as
  * /dev/fuse delivers it; spinning up to spin_ns for one (the index's lock let go meanwhile).
- * -EAGAIN: none came (wait for the loop's eventfd, `fileno()`); -ENODEV: the queues are gone. */
+ * -EAGAIN: none came (wait for the loop's eventfd, `fileno()`); -ENODEV: a queue is gone. */
 static PyObject *ring_take(Ring *r, PyObject *args)
 {
     Py_buffer buffer;
@@ -523,7 +523,7 @@ static PyObject *ring_take(Ring *r, PyObject *args)
         __atomic_store_n(&r->index_state, LOOP_IDLE, __ATOMIC_RELEASE);
         long long until = now_ns() + spin_ns;
         while ((e = pop(r)) == NULL && now_ns() < until &&
-               __atomic_load_n(&r->queues_done, __ATOMIC_ACQUIRE) < r->queues)
+               __atomic_load_n(&r->queues_done, __ATOMIC_ACQUIRE) == 0)
             ;
         loop_busy(r);
         Py_END_ALLOW_THREADS
@@ -536,7 +536,8 @@ static PyObject *ring_take(Ring *r, PyObject *args)
     }
     if (e == NULL) {
         PyBuffer_Release(&buffer);
-        int done = __atomic_load_n(&r->queues_done, __ATOMIC_ACQUIRE) >= r->queues;
+        /* one queue gone is the end: its CPU's callers would wait on it for ever */
+        int done = __atomic_load_n(&r->queues_done, __ATOMIC_ACQUIRE) > 0;
         return PyLong_FromLong(done ? -ENODEV : -EAGAIN);
     }
     struct in_header in;

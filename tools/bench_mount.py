@@ -209,7 +209,11 @@ def floor_daemon(name: str, base: Path, quiet: bool) -> Iterator[Path | None]:
         return
     mnt.mkdir()
     with io_uring_offered() if name == "floor_uring" and ENABLE_URING.exists() else nullcontext():
-        daemon = subprocess.Popen([binary, mnt])
+        # in a session of its own, as `kvfs mount` starts kvfs's daemon: with the scheduler's
+        # autogroups (on by default) a daemon outside its callers' session gets its callers
+        # moved between CPUs on its answers, which costs a first-time miss several times over
+        # (docs/benchmarks.md, session 22)
+        daemon = subprocess.Popen([binary, mnt], start_new_session=True)
         deadline = time.monotonic() + 10
         while not os.path.ismount(mnt) and daemon.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
