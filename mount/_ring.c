@@ -49,7 +49,7 @@ struct out_header { uint32_t len; int32_t error; uint64_t unique; };
 #define NAME_MAX_BYTES 255
 #define SQE_SIZE 128           /* IORING_SETUP_SQE128: the fuse command needs the long form */
 #define WAKE_TAG UINT64_MAX    /* the user_data of the queue's eventfd read */
-#define MISSES_KEPT 65536 /* misses answered here and not yet timed by the loop (past it: its) */
+#define MISSES_KEPT 65536 /* misses answered here, not yet timed by the loop (more: the loop answers) */
 
 enum { IN_KERNEL, HANDED, WITH_LOOP, ANSWERED };
 enum { LOOP_IDLE, LOOP_BUSY, MISS_ANSWERED };
