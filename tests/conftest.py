@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,6 +73,10 @@ class Mount:
         written through the mount is published there."""
         self.settle()
         return self.backing / Path(path).relative_to(self.path)
+
+    def usage(self) -> dict[str, Any]:
+        """The mount's ``.kvfs/usage.json``, read now."""
+        return dict(json.loads((self.path / ".kvfs" / "usage.json").read_bytes()))
 
     def restart(self) -> None:
         self.stop()

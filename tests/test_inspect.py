@@ -212,7 +212,7 @@ def test_the_hit_rate_counts_real_misses_only(fresh_mount: Mount) -> None:
         assert not os.access(vllm_io.chunk_path(root, key), os.F_OK)
     for key in (1, 2):
         assert vllm_io.load(vllm_io.chunk_path(root, key), 4096) == vllm_io.chunk_bytes(key, 4096)
-    usage = json.loads((fresh_mount.path / ".kvfs" / "usage.json").read_bytes())
+    usage = fresh_mount.usage()
     assert usage["lookups"] == {"hit": 2, "miss": 3}
     # No config.json was stored: the data directory is a namespace of its own.
     ns = {n["namespace"]: n for n in usage["namespaces"]}[f"{vllm_io.NAMESPACE}_r0"]

@@ -3,7 +3,6 @@ Everything else the mount tests check over it in `make test`'s third run."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -24,24 +23,19 @@ def started(tmp_path: Path, *options: str) -> Mount:
         return mount.start()
 
 
-def session(mount: Mount) -> dict[str, object]:
-    usage = json.loads((mount.path / ".kvfs" / "usage.json").read_bytes())
-    return dict(usage["session"])
-
-
 def test_first_time_misses_are_answered_on_the_callers_cpu_and_never_outlive_a_store(
     tmp_path: Path,
 ) -> None:
     mount = started(tmp_path, "--io-uring", "auto")
     try:
-        assert session(mount)["io_uring"] is True
+        assert mount.usage()["session"]["io_uring"] is True
         folder = mount.path / "ns" / "d"
         folder.mkdir(parents=True)
         (folder / "present.bin").write_bytes(b"x" * 4096)
         names = [f"{i:064x}.bin" for i in range(300)]
         for name in names:  # (the first is Python's: it makes the directory's misses fast)
             assert not (folder / name).exists()
-        assert int(session(mount)["ring_misses"]) >= 250
+        assert int(mount.usage()["session"]["ring_misses"]) >= 250
         # A name missed on a ring thread, then stored: found, whole (the negative entry went).
         (folder / names[7]).write_bytes(b"y" * 8192)
         assert (folder / names[7]).read_bytes() == b"y" * 8192
@@ -53,7 +47,7 @@ def test_first_time_misses_are_answered_on_the_callers_cpu_and_never_outlive_a_s
 def test_off_keeps_the_session_on_dev_fuse(tmp_path: Path) -> None:
     mount = started(tmp_path, "--io-uring", "off")
     try:
-        assert session(mount)["io_uring"] is False
+        assert mount.usage()["session"]["io_uring"] is False
         (mount.path / "ns").mkdir()
         (mount.path / "ns" / "f").write_bytes(b"z")
         assert (mount.path / "ns" / "f").read_bytes() == b"z"

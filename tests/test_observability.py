@@ -106,7 +106,7 @@ def test_metrics_deltas_match_a_known_workload(observed_mount: tuple[Mount, int,
     assert delta('kvfs_lookups_total{result="hit"}') == 3
     assert delta('kvfs_lookups_total{result="miss"}') == 1  # a store's own exists() is none
     assert after["kvfs_used_bytes"] == 5 * CHUNK and after["kvfs_chunks"] == 5
-    session = json.loads((mount.path / ".kvfs" / "usage.json").read_text())["session"]
+    session = mount.usage()["session"]
     if not session["passthrough"]:  # with it, the kernel writes the backing files itself
         assert delta('kvfs_operation_duration_seconds_count{operation="write"}') >= 5
     assert delta('kvfs_operation_duration_seconds_count{operation="create"}') == 5
@@ -136,7 +136,7 @@ def test_every_first_time_miss_is_counted_and_timed(
     # (a miss answered in C is timed just after its answer: a scrape may come in between)
     after = scrape_until(port, lambda found: found[lookup] - before[lookup] >= 20)
     assert after[miss] - before[miss] == 20
-    assert json.loads((mount.path / ".kvfs" / "usage.json").read_text())["lookups"]["miss"] == 20
+    assert mount.usage()["lookups"]["miss"] == 20
 
 
 def test_the_latency_histogram_counts_each_request_in_the_first_bucket_that_holds_it() -> None:
@@ -327,7 +327,7 @@ def test_backing_free_bytes_and_build_info(tmp_path: Path) -> None:
         st = os.statvfs(mount.backing)  # nothing else writes this tmpfs
         assert found["kvfs_backing_free_bytes"] == st.f_bavail * st.f_frsize
         assert found["kvfs_backing_size_bytes"] == st.f_blocks * st.f_frsize == 64 << 20
-        session = json.loads((mount.path / ".kvfs" / "usage.json").read_text())["session"]
+        session = mount.usage()["session"]
     info = {k: v for k, v in found.items() if k.startswith("kvfs_build_info{")}
     labels = (
         f'python="{platform.python_version()}",session="{session["name"]}",version="{__version__}"'

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -30,8 +28,7 @@ ROW = 256 << 10
 
 def served_bytes(mount: Mount) -> int:
     """Bytes the daemon read and checked itself (passthrough reads never reach it)."""
-    usage = json.loads((mount.path / ".kvfs" / "usage.json").read_bytes())
-    return int(usage["counters"].get("bytes_read", 0))
+    return int(mount.usage()["counters"].get("bytes_read", 0))
 
 
 @pytest.fixture
@@ -115,7 +112,7 @@ def test_a_file_written_in_passthrough_is_published_whole_with_its_checksum(
 
 
 def checksum_backlog(mount: Mount) -> dict[str, int]:
-    usage = json.loads((mount.path / ".kvfs" / "usage.json").read_bytes())
+    usage = mount.usage()
     return dict(usage["checksum_backlog"])
 
 
@@ -252,7 +249,7 @@ def test_the_scrub_charges_every_file_a_minimum_so_small_files_never_keep_it_bus
         for key in range(100):
             vllm_io.store(vllm_io.chunk_path(str(mount.path), key), b"x" * 4096)
         time.sleep(1.5)
-        usage = json.loads((mount.path / ".kvfs" / "usage.json").read_bytes())
+        usage = mount.usage()
         limit = (time.monotonic() - started) * rate / FILE_COST + 1
         assert 1 <= usage["scrub"]["files"] <= limit, (usage["scrub"], limit)
     finally:
@@ -277,7 +274,7 @@ def test_the_scrub_finds_a_byte_flipped_after_verification(tmp_path: Path) -> No
         while os.access(paths[2], os.F_OK):
             assert time.monotonic() < deadline, "the scrub did not find the flipped byte"
             time.sleep(0.05)
-        usage = json.loads((mount.path / ".kvfs" / "usage.json").read_bytes())
+        usage = mount.usage()
         assert usage["scrub"]["failures"] == 1 and usage["checksum_failures"] == 1
         assert usage["scrub"]["files"] >= 1 and usage["counters"]["reads"] == 4  # no reads
         assert len(os.listdir(mount.backing / ".kvfs" / "quarantine")) == 1
@@ -303,7 +300,7 @@ def test_a_hot_chunk_reopens_without_io_and_its_space_goes_with_it(tmp_path: Pat
             mount.settle()
             for _ in range(3):
                 assert len(path.read_bytes()) == 32 << 20
-            usage = json.loads((mount.path / ".kvfs" / "usage.json").read_bytes())
+            usage = mount.usage()
             assert usage["session"]["backing_reused"] >= 2 and served_bytes(mount) == 0
             assert usage["counters"]["reads"] == 3  # reopens still count as reads
             before = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
@@ -330,7 +327,7 @@ def test_the_first_read_of_a_stored_chunk_reuses_its_writers_backing_file(
     passthrough_mount.settle()  # published under the temp name: the rename moves a chunk
     os.rename(tmp, final)
     assert vllm_io.load(final, 1 << 20) == vllm_io.chunk_bytes(7, 1 << 20)
-    usage = json.loads((passthrough_mount.path / ".kvfs" / "usage.json").read_bytes())
+    usage = passthrough_mount.usage()
     assert usage["session"]["backing_reused"] == 1
 
 
@@ -429,16 +426,12 @@ def test_a_chunk_loaded_right_after_its_rename_is_read_as_published(long_seals: 
     mount = long_seals
     tmp, final = mount.path / "c.tmp", mount.path / "c"
     closed_after_a_long_seal_began(tmp)
-    before = usage(mount)
+    before = mount.usage()
     os.rename(tmp, final)
     assert vllm_io.load(str(final), LONG_SEAL) == vllm_io.chunk_bytes(9, LONG_SEAL)
-    after = usage(mount)
+    after = mount.usage()
     assert after["counters"]["reads"] == before["counters"].get("reads", 0) + 1
     assert after["session"]["passthrough_opens"] == before["session"]["passthrough_opens"] + 1
-
-
-def usage(mount: Mount) -> dict[str, Any]:
-    return dict(json.loads((mount.path / ".kvfs" / "usage.json").read_bytes()))
 
 
 def test_a_renamed_chunk_whose_publish_fails_is_dropped_with_its_name(long_seals: Mount) -> None:

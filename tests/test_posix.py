@@ -157,19 +157,19 @@ def test_unlink_while_open_keeps_the_reader_and_frees_the_name(kv_mount: Mount, 
         assert reader.read() == b"data" * 4096
     # Room held for it is given back once (it was given back twice when it was never published)
     kv_mount.settle()
-    usage = json.loads((kv_mount.path / ".kvfs" / "usage.json").read_bytes())
+    usage = kv_mount.usage()
     assert usage["reserved"] == 0
 
 
 def test_a_file_unlinked_before_its_publish_leaves_the_accounting_exact(
     kv_mount: Mount, d: Path
 ) -> None:
-    before = json.loads((kv_mount.path / ".kvfs" / "usage.json").read_bytes())
+    before = kv_mount.usage()
     with open(d / "f", "wb") as writer:
         writer.write(b"x" * 40960)
         os.unlink(d / "f")  # its close reserves room, its release finds no name to publish
     kv_mount.settle()
-    after = json.loads((kv_mount.path / ".kvfs" / "usage.json").read_bytes())
+    after = kv_mount.usage()
     assert (after["used"], after["reserved"]) == (before["used"], 0)
     assert not os.listdir(kv_mount.backing / ".kvfs" / "tmp")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import itertools
-import json
 import mmap
 import os
 import signal
@@ -28,8 +27,7 @@ CHUNK = 256 << 10
 
 
 def publishes(mount: Mount) -> int:
-    usage = json.loads((mount.path / ".kvfs" / "usage.json").read_bytes())
-    return int(usage["counters"].get("publishes", 0))
+    return int(mount.usage()["counters"].get("publishes", 0))
 
 
 def published(mount: Mount, count: int, timeout: float = 10) -> None:
@@ -84,7 +82,7 @@ def test_renaming_a_closed_file_publishes_it_and_a_write_after_that_is_never_ser
     os.close(held)
     fresh_mount.settle()
     rewritten = b"b" * 4096 + b"a" * (CHUNK - 4096)
-    counters = json.loads((fresh_mount.path / ".kvfs" / "usage.json").read_bytes())["counters"]
+    counters = fresh_mount.usage()["counters"]
     if final.exists():  # the daemon's buffer took the write: published again
         assert final.read_bytes() == rewritten
         assert (fresh_mount.backing / "f").read_bytes() == rewritten
@@ -228,7 +226,7 @@ def test_a_file_whose_last_writer_was_killed_mid_file_is_not_published(
     that inherited the descriptor, wrote through it and was killed leaves nothing under the
     name either, though the creator closed its copy and lives on. (Where the FLUSH names the
     thread that closes: kvfs's own session; pyfuse3 tells the daemon only who opened it.)"""
-    usage = json.loads((fresh_mount.path / ".kvfs" / "usage.json").read_bytes())
+    usage = fresh_mount.usage()
     if usage["session"]["name"] != "kernel":
         pytest.skip("pyfuse3's flush() is not told its caller: the opener's kill is checked")
     path = fresh_mount.path / "inherited.bin"

@@ -5,7 +5,6 @@ two publishes of one name keep one whole file."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import subprocess
@@ -28,8 +27,7 @@ from tests.test_cli import assert_refused
 
 
 def counters(mount: Mount) -> dict[str, int]:
-    usage = json.loads((mount.path / ".kvfs" / "usage.json").read_bytes())
-    return dict(usage["counters"])
+    return dict(mount.usage()["counters"])
 
 
 def shared_mount(tmp: Path, backing: Path, host: str) -> Mount:
@@ -203,7 +201,7 @@ SMALL = 64 << 10
 
 
 def share(mount: Mount) -> dict[str, Any]:
-    usage = json.loads((mount.path / ".kvfs" / "usage.json").read_bytes())
+    usage = mount.usage()
     state = usage["share"]
     assert state is not None
     return dict(state)
@@ -569,8 +567,7 @@ def test_a_kept_passthrough_backing_file_goes_when_the_journals_say_its_chunk_we
         write(a, "pt/x.bin", data)
 
         def session() -> dict[str, Any]:
-            usage = json.loads((b.path / ".kvfs" / "usage.json").read_bytes())
-            return dict(usage["session"])
+            return dict(b.usage()["session"])
 
         def read_again() -> bool:  # served and verified; passed through; then the kept file
             assert (b.path / "pt/x.bin").read_bytes() == data

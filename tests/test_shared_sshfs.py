@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import signal
 import subprocess
@@ -335,7 +334,7 @@ def test_sessions_over_sshfs_serve_every_read(share: Share) -> None:
         kernel.start()
         for _ in range(2):
             assert (kernel.path / "sess" / "c.bin").read_bytes() == b"s" * 8192
-        usage = json.loads((kernel.path / ".kvfs" / "usage.json").read_bytes())["session"]
+        usage = kernel.usage()["session"]
         assert usage["name"] == "kernel" and not usage["passthrough"]
         assert usage["passthrough_opens"] == 0
         assert "backing store on fuse.sshfs: no passthrough" in daemon_log(kernel.path).read_text()
