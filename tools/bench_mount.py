@@ -87,7 +87,9 @@ class Target:
             self.mount()
 
     def mount(self) -> None:
-        over_ring = "--io-uring" in self.options and ENABLE_URING.exists()
+        options = list(self.options)
+        asks_ring = "--io-uring" in options and options[options.index("--io-uring") + 1] == "auto"
+        over_ring = asks_ring and ENABLE_URING.exists()
         with io_uring_offered() if over_ring else nullcontext():
             subprocess.run(
                 [*KVFS, "mount", str(self.root), "--backing", str(self.backing), *self.options],
