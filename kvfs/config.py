@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvfs.cpu_latency import NONE_US
 from kvfs.eviction import POLICIES
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -153,6 +154,9 @@ class MountConfig:
     # The kernel session's requests over FUSE-over-io_uring: "auto" where the kernel offers it
     # (module parameter fuse.enable_uring=Y), "off" to stay on /dev/fuse.
     io_uring: str = "auto"
+    # Hold a CPU latency request (kvfs/cpu_latency.py) of this many microseconds while the
+    # mount is served, so that an answer does not wait for an idle CPU to wake (None: off).
+    cpu_latency_us: int | None = None
     # "every-read": every read is served by the daemon and verified. "first-read": a chunk is
     # verified once (at its publish, or its first read), then read in passthrough where the
     # session has it.
@@ -206,6 +210,8 @@ class MountConfig:
             raise ConfigError(
                 f"io-uring: {self.io_uring!r} is not one of {', '.join(IO_URING_MODES)}"
             )
+        if self.cpu_latency_us is not None and not 0 <= self.cpu_latency_us <= NONE_US:
+            raise ConfigError(f"cpu_latency: must be 0 to {NONE_US} microseconds")
         if self.verify not in VERIFY_MODES:
             raise ConfigError(f"verify: {self.verify!r} is not one of {', '.join(VERIFY_MODES)}")
         if not 0 <= self.file_umask <= 0o777:

@@ -235,6 +235,18 @@ OPTIONS: tuple[Option, ...] = (
         choices=IO_URING_MODES,
     ),
     Option(
+        "cpu-latency",
+        "while the mount is served, hold a CPU latency request (/dev/cpu_dma_latency, root): "
+        "idle CPUs stay in states that wake within this many microseconds, so a request's "
+        "answer does not wait for its caller's CPU to wake (0: idle CPUs poll; a halted "
+        "virtual CPU or a deep C-state takes 10-100 us, a round trip 5-20 us); it holds for "
+        "the whole machine and costs its idle power",
+        field="cpu_latency_us",
+        parse=_whole,
+        unit="us",
+        metavar="MICROSECONDS",
+    ),
+    Option(
         "verify",
         "every-read: the daemon serves and checks every read; first-read: a chunk is checked "
         "at its publish or first read, then read in passthrough where the session has it",

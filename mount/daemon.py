@@ -14,7 +14,7 @@ from pathlib import Path
 import trio
 import zmq
 
-from kvfs import mount_options, mountctl
+from kvfs import cpu_latency, mount_options, mountctl
 from kvfs.config import ConfigError, MountConfig, parse_capacity
 from kvfs.eviction import make_policy
 from kvfs.index import Index
@@ -98,6 +98,12 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
         if ready_fd is not None:
             os.write(ready_fd, message.encode() + b"\n")
 
+    if cfg.cpu_latency_us is not None:
+        try:  # held until this process ends, whichever way: the kernel drops it with the fd
+            cpu_latency.hold(cfg.cpu_latency_us)
+        except OSError as err:  # asked for by name: refused, not served slower
+            tell(f"error: --cpu-latency: {cpu_latency.DEVICE}: {err.strerror}")
+            return 1
     _keep_freed_memory()
     store = BackingStore(os.fsencode(cfg.backing), cfg.shared)
     try:
@@ -181,6 +187,12 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
         os.getpid(),
     )
     log.info("session: %s (%s); %s", sessions.name(session), why, sessions.describe(session, cfg))
+    if cfg.cpu_latency_us is not None:
+        log.info(
+            "holding a CPU latency request of %d us (the machine's bound now: %d us)",
+            cfg.cpu_latency_us,
+            cpu_latency.current(),
+        )
     tell(READY)
     if ready_fd is not None:
         os.close(ready_fd)

@@ -90,14 +90,14 @@ def test_refuses_backing_inside_the_mountpoint(tmp_path: Path) -> None:
 
 
 def _in_private_mount_namespace(
-    hide: str, tmp_path: Path, mnt: Path
+    hide: str, tmp_path: Path, mnt: Path, *options: str
 ) -> subprocess.CompletedProcess[str]:
-    """Run `kvfs mount` where ``hide`` is replaced by an empty regular file."""
+    """Run `kvfs mount` (with ``options``) where ``hide`` is replaced by an empty regular file."""
     empty = tmp_path / "empty"
     empty.write_bytes(b"")
     script = (
         f"mount --bind {empty} {hide} && exec {sys.executable} -m kvfs.cli mount {mnt} "
-        f"--backing {tmp_path / 'backing'}"
+        f"--backing {tmp_path / 'backing'} {' '.join(options)}"
     )
     return subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from kvfs import control_protocol
+from kvfs import control_protocol, cpu_latency
 from kvfs.connector.kv_connector import KVConnector
 from kvfs.geometry import GroupGeometry, LayerKind, ModelGeometry
 from kvfs.keys import BlockHasher, chunk_keys
@@ -511,6 +511,13 @@ def main() -> int:
         help="seconds to wait after a sync before a configuration with an fs tier, so that "
         "the files deleted before it do not slow its creates (default: %(default)s)",
     )
+    parser.add_argument(
+        "--cpu-latency",
+        type=int,
+        metavar="MICROSECONDS",
+        help="hold a CPU latency request for the whole run, every target measured under it "
+        "(kvfs mount's --cpu-latency; 0: idle CPUs poll); default: the machine's as it is",
+    )
     # (no default file: a run of a few pools must not overwrite the whole sweep's plot)
     parser.add_argument("--plot", default="", help="PNG of the results ('' for none)")
     parser.add_argument("--json", action="store_true")
@@ -520,14 +527,16 @@ def main() -> int:
     workload = Workload(turns=args.turns)
     torch.set_num_threads(1)
     rows = json.loads(args.replot.read_text())["rows"] if args.replot else []
-    for pool in [] if args.replot else args.pools:
-        for repeat in range(args.repeats):
-            # Forward, then reversed: what runs second on a busy machine runs slower.
-            for config in args.configs[:: -1 if repeat % 2 else 1]:
-                result = run_one(config, pool, args, profile, workload).row()
-                rows.append({**result, "repeat": repeat})
-                if not args.json:
-                    print(_line(result), flush=True)
+    with cpu_latency.held(args.cpu_latency):
+        bound = None if args.replot else cpu_latency.current()  # (what holds: this, tuned...)
+        for pool in [] if args.replot else args.pools:
+            for repeat in range(args.repeats):
+                # Forward, then reversed: what runs second on a busy machine runs slower.
+                for config in args.configs[:: -1 if repeat % 2 else 1]:
+                    result = run_one(config, pool, args, profile, workload).row()
+                    rows.append({**result, "repeat": repeat, "cpu_latency_us": bound})
+                    if not args.json:
+                        print(_line(result), flush=True)
     knee = args.host_conversations
     ratios = summary(rows, knee)
     if args.plot:
@@ -541,6 +550,7 @@ def main() -> int:
     else:
         print(f"\nprofile: {profile.name}: {profile.source}")
         print(f"past the host knee ({knee} conversations): {ratios}")
+        print(f"CPU latency bound: {rows[0].get('cpu_latency_us') if rows else None} us")
         if args.plot:
             print(f"plot: {args.plot}")
     return 0

@@ -24,7 +24,9 @@ the kernel itself costs on this machine: ``floor``, tools/fuse_floor.c (libfuse 
 (FUSE-over-io_uring, a queue served on each CPU; where the kernel offers it: Linux 6.14+ with
 fuse.enable_uring=Y). It prints medians over the repeats and mount/direct ratios; ``--json``
 prints one object whose ``summary`` holds, per session, the median ratio per measure and the
-daemon's CPU seconds per GB it moved (stores and loads), and each floor's lookup ratios.
+daemon's CPU seconds per GB it moved (stores and loads), and each floor's lookup ratios, and
+``cpu_latency_us`` the machine's CPU latency bound during the run (``--cpu-latency`` holds one
+for the whole run, so every target is measured under it: kvfs/cpu_latency.py).
 
 Every target uses O_DIRECT when vLLM's probe passes there, as vLLM would (``--o-direct`` overrides).
 Run as root (it drops the page cache and mounts).
@@ -50,7 +52,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from kvfs import control_protocol
+from kvfs import control_protocol, cpu_latency
 from kvfs.mount.ring import ENABLE_URING, io_uring_offered
 from tools import vllm_io
 
@@ -252,6 +254,13 @@ def main() -> int:
     parser.add_argument("--o-direct", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--base", type=Path, help="working directory (default: a temp dir)")
     parser.add_argument(
+        "--cpu-latency",
+        type=int,
+        metavar="MICROSECONDS",
+        help="hold a CPU latency request for the whole run, every target measured under it "
+        "(kvfs mount's --cpu-latency; 0: idle CPUs poll); default: the machine's as it is",
+    )
+    parser.add_argument(
         "--sessions",
         default="pyfuse3,kernel,kernel-io-uring",
         help="kvfs sessions to measure (comma-separated)",
@@ -268,6 +277,8 @@ def main() -> int:
     stack = ExitStack()
     rows: list[dict[str, object]] = []
     try:
+        stack.enter_context(cpu_latency.held(args.cpu_latency))
+        bound = cpu_latency.current()
         floors = {name: stack.enter_context(floor_daemon(name, base, args.json)) for name in FLOORS}
         modes = {}
         for t in targets:
@@ -318,7 +329,7 @@ def main() -> int:
             mount.unmount()
         shutil.rmtree(base, ignore_errors=True)
 
-    report = summarise(rows, modes)
+    report = {"cpu_latency_us": bound, **summarise(rows, modes)}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -409,7 +420,7 @@ def _of(rows: list[dict[str, object]], target: str, key: str) -> list[float]:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    print(f"O_DIRECT used: {report['o_direct']}")
+    print(f"O_DIRECT used: {report['o_direct']}; CPU latency bound: {report['cpu_latency_us']} us")
     header = f"{'measure':<12}{'chunk':>7}{'threads':>9}{'session':>12}{'direct':>10}{'kvfs':>10}"
     print(header + f"{'kvfs/direct':>13}")
     for r in report["results"]:
