@@ -3,13 +3,16 @@ and a mount that cannot hold the one asked for is refused."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
-from kvfs import cpu_latency
-from tests.conftest import kvfs, make_mount
+from kvfs import cpu_latency, mountctl
+from tests.conftest import kvfs, make_mount, wait_gone
 from tests.test_cli import _in_private_mount_namespace, assert_refused
+from tests.test_daemon_death import _wait_for_new_daemon, kill_daemon
 
 
 @pytest.fixture
@@ -45,6 +48,26 @@ def test_a_killed_daemon_leaves_no_request_behind(tmp_path: Path, unbound: int) 
         assert cpu_latency.current() == unbound
     finally:
         mount.stop()
+
+
+def test_a_supervised_daemon_holds_it_again_once_restarted(tmp_path: Path, unbound: int) -> None:
+    """The supervisor restarts a killed daemon with the mount's options, the request's too;
+    kvfs umount then ends both, and the request with them."""
+    mount = make_mount(tmp_path, "--supervise", "--cpu-latency", "0")
+    try:
+        mount.start()
+        [supervisor] = mountctl.supervisors(str(mount.path))
+        old = mount.pid
+        kill_daemon(mount)
+        mount.pid = _wait_for_new_daemon(mount, old, timeout=10)
+        assert cpu_latency.current() == 0
+        kvfs("umount", str(mount.path))
+        wait_gone(supervisor, timeout=10)
+        assert cpu_latency.current() == unbound
+    finally:
+        mount.stop()
+        for pid in mountctl.supervisors(str(mount.path)):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_mount_that_cannot_hold_its_request_is_refused(tmp_path: Path) -> None:
