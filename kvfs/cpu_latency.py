@@ -26,7 +26,8 @@ NONE_US = 2_000_000_000
 
 def hold(microseconds: int) -> int:
     """Ask for ``microseconds`` at most; the request lasts while the returned fd is open.
-    Raises OSError (EACCES: it takes root; ENOENT: a kernel without the interface)."""
+    Raises OSError (EACCES: it takes root; ENOENT: a kernel without the interface; ENODEV:
+    something else under its name)."""
     if not 0 <= microseconds <= NONE_US:
         raise ValueError(f"{microseconds} us is not a CPU latency (0 to {NONE_US})")
     fd = os.open(DEVICE, os.O_WRONLY | os.O_CLOEXEC)
