@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import os
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -379,3 +383,31 @@ def test_a_promotion_that_never_ends_is_a_miss_after_the_deadline(harness_factor
     started = time.monotonic()
     hits, _ = h.settle(keys)
     assert hits == 0 and time.monotonic() - started < 3
+
+
+def test_a_closed_connector_unmaps_its_host_region_at_once(tmp_path: Any) -> None:
+    """Not at the next cycle collection: a process that makes connectors one after another
+    (a benchmark, a test run) would hold every old region until then."""
+    geo = kv_model.geometry(BPC)
+    kv = kv_model.shard(geo, kv_model.full_tensors(geo), 1, 0, "NHD")
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    extra = {
+        "cpu_bytes_to_use": 64 << 20,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path)}],
+    }
+    conn = KVConnector({"blocks_per_chunk": BPC, **extra}, geo, kv, "m", name)
+    inode = str(os.stat(region_path(name)).st_ino)
+    tier = weakref.ref(conn.manager.tiers[0])
+
+    def mapped() -> bool:
+        return any(line.split()[4] == inode for line in Path("/proc/self/maps").open())
+
+    assert mapped()
+    gc.disable()
+    try:
+        conn.close()
+        del conn
+        assert tier() is None, "something still holds the closed connector's fs tier"
+        assert not mapped()
+    finally:
+        gc.enable()

@@ -71,6 +71,9 @@ class AsyncLookup:
     def shutdown(self) -> None:
         self._batches.put(None)
         self._thread.join(timeout=5)
+        # The check is its tier's bound method, and the tier holds this: let go of it, so the
+        # tier and the host region its slots view are freed now, not at a cycle collection.
+        del self._check
 
     def _remember(self, key: bytes, present: bool, now: float) -> None:
         self._answers[key] = (present, now)
