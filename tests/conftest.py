@@ -194,3 +194,21 @@ def small_filesystem(where: Path, fstype: str, options: str = "") -> Iterator[Pa
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def mappings(path: Path, status: Path = Path("/proc/self/smaps")) -> list[list[str]]:
+    """The lines of each of this process's mappings of the file at ``path``, found by device
+    and inode (an O_TMPFILE's mapping keeps its first name, /dev/shm/#INO)."""
+    st = os.stat(path)
+    dev, ino = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", str(st.st_ino)
+    found: list[list[str]] = []
+    current: list[str] | None = None
+    for line in status.read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's first line
+            current = [] if fields[3:5] == [dev, ino] else None
+            if current is not None:
+                found.append(current)
+        elif current is not None:
+            current.append(line)
+    return found

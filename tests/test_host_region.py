@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvfs.host_region import HEADER_BYTES, HostRegion, RegionError, region_path, sweep_orphans
+from tests.conftest import mappings
 
 SLOT = 8192
 PRINT = "fingerprint-a"
@@ -68,17 +69,11 @@ def test_workers_share_one_mapping(name: str) -> None:
 
 
 def _resident_kib(path: Path) -> list[int]:
-    """Resident KiB of each of this process's mappings of the file at ``path`` (by inode: an
-    O_TMPFILE's mapping keeps its first name, /dev/shm/#INO)."""
-    ino, rss = str(os.stat(path).st_ino), []
-    mapping = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
-            mapping = fields[4] == ino
-        elif mapping and fields[0] == "Rss:":
-            rss.append(int(fields[1]))
-    return rss
+    """Resident KiB of each of this process's mappings of the file at ``path``."""
+    return [
+        int(next(line for line in lines if line.startswith("Rss:")).split()[1])
+        for lines in mappings(path)
+    ]
 
 
 def test_the_region_is_resident_from_the_start(name: str) -> None:

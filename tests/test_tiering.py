@@ -22,7 +22,7 @@ from kvfs.connector.kv_connector import KVConnector
 from kvfs.host_region import region_path
 from kvfs.keys import BlockHasher, chunk_keys
 from tests import kv_model
-from tests.conftest import Mount, free_port
+from tests.conftest import Mount, free_port, mappings
 
 BPC = 2
 CHUNK_TOKENS = kv_model.TOKENS * BPC
@@ -396,18 +396,15 @@ def test_a_closed_connector_unmaps_its_host_region_at_once(tmp_path: Any) -> Non
         "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path)}],
     }
     conn = KVConnector({"blocks_per_chunk": BPC, **extra}, geo, kv, "m", name)
-    inode = str(os.stat(region_path(name)).st_ino)
+    path = region_path(name)
     tier = weakref.ref(conn.manager.tiers[0])
-
-    def mapped() -> bool:
-        return any(line.split()[4] == inode for line in Path("/proc/self/maps").open())
-
-    assert mapped()
-    gc.disable()
-    try:
-        conn.close()
-        del conn
-        assert tier() is None, "something still holds the closed connector's fs tier"
-        assert not mapped()
-    finally:
-        gc.enable()
+    assert len(mappings(path)) == 1
+    with os.fdopen(os.open(path, os.O_RDONLY)) as region:  # (close removes the name)
+        gc.disable()
+        try:
+            conn.close()
+            del conn
+            assert tier() is None, "something still holds the closed connector's fs tier"
+            assert mappings(Path(f"/proc/self/fd/{region.fileno()}")) == []
+        finally:
+            gc.enable()
