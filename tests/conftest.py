@@ -196,14 +196,14 @@ def small_filesystem(where: Path, fstype: str, options: str = "") -> Iterator[Pa
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-def mappings(path: Path, status: Path = Path("/proc/self/smaps")) -> list[list[str]]:
+def mappings(path: Path) -> list[list[str]]:
     """The lines of each of this process's mappings of the file at ``path``, found by device
     and inode (an O_TMPFILE's mapping keeps its first name, /dev/shm/#INO)."""
     st = os.stat(path)
     dev, ino = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", str(st.st_ino)
     found: list[list[str]] = []
     current: list[str] | None = None
-    for line in status.read_text().splitlines():
+    for line in Path("/proc/self/smaps").read_text().splitlines():
         fields = line.split()
         if "-" in fields[0] and len(fields) >= 5:  # a mapping's first line
             current = [] if fields[3:5] == [dev, ino] else None
