@@ -26,6 +26,7 @@ from tests.conftest import Mount, free_port, mappings
 
 BPC = 2
 CHUNK_TOKENS = kv_model.TOKENS * BPC
+HOST = 16 << 20  # a host tier of a few chunks: mapped populated, so no larger than a test needs
 
 
 class Harness:
@@ -243,43 +244,43 @@ def test_a_full_host_tier_refuses_stores_and_promotions_cleanly(harness_factory:
     ("extra", "message"),
     [
         ({}, "cpu_bytes_to_use: required"),
-        ({"cpu_bytes_to_use": 1 << 30, "cpu_byte_to_use": 1}, "unknown key 'cpu_byte_to_use'"),
+        ({"cpu_bytes_to_use": HOST, "cpu_byte_to_use": 1}, "unknown key 'cpu_byte_to_use'"),
         ({"cpu_bytes_to_use": -5}, "cpu_bytes_to_use"),
         ({"cpu_bytes_to_use": 4095}, "hold no chunk"),
-        ({"cpu_bytes_to_use": 1 << 30, "eviction_policy": "fifo"}, "eviction_policy: 'fifo'"),
-        ({"cpu_bytes_to_use": 1 << 30, "blocks_per_chunk": 3}, "blocks_per_chunk: 3"),
+        ({"cpu_bytes_to_use": HOST, "eviction_policy": "fifo"}, "eviction_policy: 'fifo'"),
+        ({"cpu_bytes_to_use": HOST, "blocks_per_chunk": 3}, "blocks_per_chunk: 3"),
         (
-            {"cpu_bytes_to_use": 1 << 30, "secondary_tiers": {"type": "fs"}},
+            {"cpu_bytes_to_use": HOST, "secondary_tiers": {"type": "fs"}},
             "secondary_tiers: a list",
         ),
         (
-            {"cpu_bytes_to_use": 1 << 30, "secondary_tiers": [{"root_dir": "/x"}]},
+            {"cpu_bytes_to_use": HOST, "secondary_tiers": [{"root_dir": "/x"}]},
             r"secondary_tiers\[0\].type",
         ),
         (
-            {"cpu_bytes_to_use": 1 << 30, "secondary_tiers": [{"type": "s3"}]},
+            {"cpu_bytes_to_use": HOST, "secondary_tiers": [{"type": "s3"}]},
             "'s3' is not built in",
         ),
         (
             {
-                "cpu_bytes_to_use": 1 << 30,
+                "cpu_bytes_to_use": HOST,
                 "secondary_tiers": [{"type": "X", "module_path": "no.such"}],
             },
             "cannot load X",
         ),
-        ({"cpu_bytes_to_use": 1 << 30, "secondary_tiers": [{"type": "fs"}]}, "root_dir"),
+        ({"cpu_bytes_to_use": HOST, "secondary_tiers": [{"type": "fs"}]}, "root_dir"),
         (
-            {"cpu_bytes_to_use": 1 << 30, "secondary_tiers": [{"type": "memory", "size": 3}]},
+            {"cpu_bytes_to_use": HOST, "secondary_tiers": [{"type": "memory", "size": 3}]},
             "'size'",
         ),
         (
             {
-                "cpu_bytes_to_use": 1 << 30,
+                "cpu_bytes_to_use": HOST,
                 "secondary_tiers": [{"type": "memory"}, {"type": "memory", "name": "memory"}],
             },
             "must be unique",
         ),
-        ({"cpu_bytes_to_use": 1 << 30, "lookup_timeout_s": 0}, "lookup_timeout_s"),
+        ({"cpu_bytes_to_use": HOST, "lookup_timeout_s": 0}, "lookup_timeout_s"),
     ],
 )
 def test_bad_configuration_names_the_key(extra: dict[str, Any], message: str) -> None:
