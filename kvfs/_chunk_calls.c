@@ -8,6 +8,8 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <string.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 /* load(path, buffer, flags) -> (size, got): open(path, O_RDONLY | flags), the size by a seek
@@ -61,15 +63,18 @@ static PyObject *load(PyObject *Py_UNUSED(module), PyObject *args)
     return Py_BuildValue("(Ln)", (long long)size, got);
 }
 
-/* store(tmp, path, data, flags, mode) -> written | None: create tmp (flags hold O_EXCL), one
- * write, close, rename over path; the bytes written (short: not renamed), or None where the
- * directory is missing. tmp is gone afterwards unless renamed, whatever is raised. */
+/* store(tmp, path, data, flags, mode, declared=None) -> written | None: create tmp (flags hold
+ * O_EXCL), one write, close, rename over path; the bytes written (short: not renamed), or None
+ * where the directory is missing. tmp is gone afterwards unless renamed, whatever is raised.
+ * declared: the bytes' checksum, set as user.kvfs.checksum before the close where the whole
+ * write went in (where the filesystem refuses it, the store goes on without it). */
 static PyObject *store(PyObject *Py_UNUSED(module), PyObject *args)
 {
     PyObject *tmp, *path, *tmp_encoded = NULL, *path_encoded = NULL, *result = NULL;
     Py_buffer data;
     int flags, mode;
-    if (!PyArg_ParseTuple(args, "OOy*ii", &tmp, &path, &data, &flags, &mode))
+    const char *declared = NULL;
+    if (!PyArg_ParseTuple(args, "OOy*ii|z", &tmp, &path, &data, &flags, &mode, &declared))
         return NULL;
     if (!PyUnicode_FSConverter(tmp, &tmp_encoded) || !PyUnicode_FSConverter(path, &path_encoded)) {
         Py_XDECREF(tmp_encoded);
@@ -96,6 +101,8 @@ static PyObject *store(PyObject *Py_UNUSED(module), PyObject *args)
             if (written < 0) {
                 failed_errno = errno;
                 outcome = FAILED;
+            } else if (declared != NULL && written == data.len) {
+                (void)fsetxattr(fd, "user.kvfs.checksum", declared, strlen(declared), 0);
             }
             if (close(fd) < 0 && outcome == DONE) { /* a kvfs mount reports a failed publish */
                 failed_errno = errno;

@@ -2,5 +2,11 @@ import mmap
 
 def load(path: str, buffer: memoryview | mmap.mmap, flags: int, /) -> tuple[int, int]: ...
 def store(
-    tmp: str, path: str, data: memoryview | bytes | mmap.mmap, flags: int, mode: int, /
+    tmp: str,
+    path: str,
+    data: memoryview | bytes | mmap.mmap,
+    flags: int,
+    mode: int,
+    declared: str | None = None,
+    /,
 ) -> int | None: ...

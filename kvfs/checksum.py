@@ -9,16 +9,26 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import re
 import threading
 
 import xxhash
 
 XATTR = "user.kvfs.checksum"
 PREFIX = "xxh3-64:"
+_VALUE = re.compile(rb"xxh3-64:[0-9a-f]{16}")
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
     return PREFIX + xxhash.xxh3_64_hexdigest(data)
+
+
+def parse(value: bytes) -> str:
+    """A checksum as ``checksum`` writes it (the algorithm, then 16 lowercase hex digits), from
+    outside (a writer's declaration); ValueError for anything else."""
+    if not _VALUE.fullmatch(value):
+        raise ValueError(f"not a checksum: {value[:40]!r}")
+    return value.decode()
 
 
 def of_file(fd: int) -> tuple[str, int]:

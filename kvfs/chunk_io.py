@@ -22,7 +22,7 @@ import errno
 import mmap
 import os
 
-from kvfs import vllm_layout
+from kvfs import checksum, vllm_layout
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -31,19 +31,26 @@ class ChunkError(OSError):
     """A chunk file cannot be stored or loaded; the store or load changed nothing."""
 
 
-def store(path: str, data: memoryview | bytes | mmap.mmap, o_direct: bool = False) -> bool:
+def store(
+    path: str,
+    data: memoryview | bytes | mmap.mmap,
+    o_direct: bool = False,
+    declared: str | None = None,
+) -> bool:
     """Publish ``data`` under ``path``; False if a chunk was already there (content-addressed:
-    it holds the same bytes)."""
+    it holds the same bytes). ``declared``: the bytes' checksum (``kvfs.checksum.checksum``),
+    set on the file before its close, so that a kvfs mount keeps it rather than read the
+    bytes back from its disk (a filesystem that refuses the attribute: stored without it)."""
     if os.path.exists(path):
         return False
     tmp = vllm_layout.temp_name(path)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | (O_DIRECT if o_direct else 0)
-    written = _store(tmp, path, data, flags, 0o644)
+    written = _store(tmp, path, data, flags, 0o644, declared)
     if written is None:
         # mkdir -p only for a new directory: on a FUSE mount a mkdir of one that is there
         # still costs a LOOKUP round trip (the kernel revalidates every name it creates).
         _make_dirs(os.path.dirname(tmp))
-        written = _store(tmp, path, data, flags, 0o644)
+        written = _store(tmp, path, data, flags, 0o644, declared)
         if written is None:  # removed again meanwhile
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), tmp)
     if written != len(data):
@@ -52,11 +59,17 @@ def store(path: str, data: memoryview | bytes | mmap.mmap, o_direct: bool = Fals
 
 
 def _store_calls(
-    tmp: str, path: str, data: memoryview | bytes | mmap.mmap, flags: int, mode: int
+    tmp: str,
+    path: str,
+    data: memoryview | bytes | mmap.mmap,
+    flags: int,
+    mode: int,
+    declared: str | None = None,
 ) -> int | None:
-    """Create ``tmp`` (``flags`` hold O_EXCL), one write, close, rename over ``path``: the
-    bytes written (short: not renamed), or None where the directory is missing. The temp file
-    is gone afterwards unless renamed, whatever is raised."""
+    """Create ``tmp`` (``flags`` hold O_EXCL), one write (and ``declared`` set as the file's
+    checksum), close, rename over ``path``: the bytes written (short: not renamed), or None
+    where the directory is missing. The temp file is gone afterwards unless renamed, whatever
+    is raised."""
     try:
         fd = os.open(tmp, flags, mode)
     except FileNotFoundError:
@@ -65,6 +78,9 @@ def _store_calls(
     try:
         try:
             written = os.write(fd, data)
+            if declared is not None and written == len(data):
+                with contextlib.suppress(OSError):
+                    os.setxattr(fd, checksum.XATTR, declared.encode())
         finally:
             os.close(fd)  # a kvfs mount reports a failed publish here
         if written == len(data):

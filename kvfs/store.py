@@ -333,11 +333,13 @@ class BackingStore:
         direct: bool = False,
         unchanged_since: tuple[int, int, int] | None = None,
         with_checksum: bool = True,
+        declared: str | None = None,
     ) -> Sealed:
         """Checksum a temp file as it is now and set its attributes: the file and its version
         (size, mtime, ctime after sealing: any later write changes it). ``direct``: it was
         written past the page cache (O_DIRECT), so it is read back that way, not faulted in
-        page by page; ``with_checksum=False`` leaves that to later (no xattr, checksum None).
+        page by page; ``with_checksum=False`` leaves that to later (no xattr, checksum None);
+        ``declared``: the checksum its writer declared, kept without reading the file.
         None, touching nothing, if its version is no longer ``unchanged_since``; None too (or,
         unchecked, the version before the checksum, which the next check finds stale) if a
         writer still holding it wrote meanwhile: the times are set first, so such a write
@@ -347,16 +349,17 @@ class BackingStore:
             return None
         _give_attrs(fd, mode, uid, gid, times_ns)
         before = os.fstat(fd)
-        digest: str | None = None
+        digest: str | None = declared
         size = before.st_size
-        if with_checksum and direct and self.direct_io:
-            reader = os.open(self.abs(rel), os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-            try:
-                digest, size = checksum.of_file_direct(reader)
-            finally:
-                os.close(reader)
-        elif with_checksum:
-            digest, size = checksum.of_file(fd)
+        if digest is None and with_checksum:
+            if direct and self.direct_io:
+                reader = os.open(self.abs(rel), os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+                try:
+                    digest, size = checksum.of_file_direct(reader)
+                finally:
+                    os.close(reader)
+            else:
+                digest, size = checksum.of_file(fd)
         if digest is not None:
             self._keep_checksum(fd, digest)
         if durable:

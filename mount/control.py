@@ -23,8 +23,8 @@ from functools import partial
 
 import pyfuse3
 
+from kvfs import checksum, namespaces
 from kvfs import control_protocol as proto
-from kvfs import namespaces
 from kvfs.index import ROOT_INO, Node
 from kvfs.io_queues import Queue
 from kvfs.mount.objects import Objects
@@ -148,12 +148,17 @@ async def set_xattr(objects: Objects, node: Node, name: bytes, value: bytes | No
     everything under a directory, from eviction, 0 or removing it undoes that (kept with the
     backing file: it survives a restart); ``user.kvfs.evict`` on the root evicts what
     ``kvfs evict`` asks (see `evict`); ``user.kvfs.verify`` on a file checks it (see
-    `verify`). Raises OSError: ENOTSUP for any other name, EINVAL for another value."""
+    `verify`); ``user.kvfs.checksum`` on a file being written declares its checksum (see
+    `declare_checksum`). Raises OSError: ENOTSUP for any other name, EINVAL for another
+    value."""
     if name == proto.EVICT.encode() and node.ino == ROOT_INO and value is not None:
         await evict(objects, value)
         return
     if name == proto.VERIFY.encode() and value is not None:
         await verify(objects, node)
+        return
+    if name == proto.CHECKSUM.encode():
+        declare_checksum(objects, node, value)
         return
     if name not in (proto.PIN.encode(), proto.PINNED.encode()):
         raise OSError(errno.ENOTSUP, os.strerror(errno.ENOTSUP))
@@ -161,6 +166,21 @@ async def set_xattr(objects: Objects, node: Node, name: bytes, value: bytes | No
     if flag not in (b"0", b"1"):
         raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
     await objects.set_pinned(node, flag == b"1")
+
+
+def declare_checksum(objects: Objects, node: Node, value: bytes | None) -> None:
+    """``user.kvfs.checksum`` set on a file being written: its writer's checksum of the bytes
+    (``xxh3-64:<16 hex>``, as the attribute reads), so that a passthrough file is published
+    without reading it back from the disk (``Objects.declare_checksum``); removed: taken back.
+    EINVAL for another value; EPERM on a file no one is writing (its checksum is the
+    daemon's)."""
+    declared = None
+    if value is not None:
+        try:
+            declared = checksum.parse(value)
+        except ValueError:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL)) from None
+    objects.declare_checksum(node, declared)
 
 
 async def verify(objects: Objects, node: Node) -> None:

@@ -342,6 +342,12 @@ def _health(s: Report) -> Iterator[Metric]:
         backlog["deferred"],
     )
     yield _counter(
+        "kvfs_checksums_declared",
+        "Files published with the checksum their writer declared (user.kvfs.checksum), not "
+        "read back",
+        counters["checksums_declared"],
+    )
+    yield _counter(
         "kvfs_checksums_sealed",
         "Of the files published before their checksum, those checksummed since",
         backlog["sealed"],

@@ -71,6 +71,12 @@ CHECKSUM_LATER_MIN = 256 << 10
 Attrs = tuple[int, int, int, tuple[int, int]]  # mode, uid, gid, (atime, mtime)
 
 
+def _undeclared_bytes(digest: str | None, declared: str | None) -> OSError:
+    """A file whose bytes differ from the checksum its writer declared: never published."""
+    why = f"its bytes ({digest}) differ from the checksum its writer declared ({declared})"
+    return OSError(errno.EBADMSG, why)
+
+
 def fail(code: int) -> OSError:
     return OSError(code, os.strerror(code))
 
@@ -90,6 +96,7 @@ class PublishFailure(StrEnum):
     TOO_LARGE = "too_large"  # EFBIG: larger than the write buffer
     TIMEOUT = "timeout"  # waited past --io-timeout, on the backing store or for buffer memory
     IO_ERROR = "io_error"  # the backing store failed otherwise (EIO, EROFS, ...)
+    CHECKSUM = "checksum"  # EBADMSG: the bytes differ from the checksum their writer declared
 
     @classmethod
     def of(cls, err: OSError) -> PublishFailure:
@@ -99,6 +106,8 @@ class PublishFailure(StrEnum):
             return cls.NO_SPACE
         if err.errno == errno.EFBIG:
             return cls.TOO_LARGE
+        if err.errno == errno.EBADMSG:
+            return cls.CHECKSUM
         return cls.IO_ERROR
 
 
@@ -113,6 +122,7 @@ class ObjectCounters:
     publish_failures: Counter[PublishFailure] = field(default_factory=Counter)  # files
     quarantined: int = 0  # files that failed their checksum, moved to .kvfs/quarantine
     quarantined_bytes: int = 0
+    checksums_declared: int = 0  # files published with the checksum their writer declared
     # --shared: names another host published that a lookup found on the backing directory;
     # files another host removed that this index still had; publishes that found another
     # host's file with other bytes under their name (that file kept, ours dropped).
@@ -176,6 +186,7 @@ class Prepared:
     attrs: Attrs  # mode, owner and times they were written with
     held: int  # capacity reserved for them
     durable: bool
+    declared: str | None = None  # the checksum its writer declared for these bytes
 
 
 @dataclass(frozen=True)
@@ -210,6 +221,7 @@ class WriteState:
     # published, or unlinked.
     wait_over: trio.Event | None = None
     committing: bool = False  # its publish is putting it under its name: renames wait
+    declared: str | None = None  # its writer's checksum for the bytes its next close leaves
 
     def changed(self) -> None:
         self.dirty = True
@@ -1101,6 +1113,8 @@ class Objects:
         seal waits for the last release). NeedsIO where that would wait, or a buffer is to be
         written."""
         ws = self.writes.get(node.ino)
+        if ws is not None and ws.file is None and ws.declared is not None:
+            raise NeedsIO()  # a buffered file's declaration is checked against its bytes
         if ws is not None and ws.dirty and (ws.file is None or ws.lock.locked()):
             raise NeedsIO()
         ws = self._closing(node, closer)
@@ -1108,13 +1122,39 @@ class Objects:
             return
         current, version = ws.prepared, self._version(ws)
         if current is not None and current.version == version:
+            self._take_declared(ws)
             return
         held = self.evictor.reserve_now(version[0])
         if current is not None:
             ws.prepared = None
             self._discard(ws, current)
         node.mtime_ns = version[1]
-        ws.prepared = Prepared(None, version, self._file_attrs(node), held, durable=False)
+        attrs = self._file_attrs(node)
+        ws.prepared = Prepared(None, version, attrs, held, False, ws.declared)
+        ws.declared = None
+
+    def declare_checksum(self, node: Node, value: str | None) -> None:
+        """A writer's checksum of the bytes it is writing (``user.kvfs.checksum`` set on the
+        file; None: taken back), for those its next close leaves. A passthrough file is then
+        published with it, not read back from the disk (the daemon never sees its bytes; the
+        scrub checks them against it later); a buffered one, whose bytes the daemon checksums
+        itself, only if they match. EPERM where no write is under way."""
+        ws = self.writes.get(node.ino)
+        if ws is None:
+            raise fail(errno.EPERM)
+        ws.declared = value
+
+    @staticmethod
+    def _take_declared(ws: WriteState) -> None:
+        """A declaration made after the close that prepared these same bytes covers them
+        (checked now where the daemon holds them)."""
+        declared, ws.declared = ws.declared, None
+        if declared is None or ws.prepared is None:
+            return
+        published = ws.prepared.published
+        if published is not None and published.checksum != declared:
+            raise _undeclared_bytes(published.checksum, declared)
+        ws.prepared = dataclasses.replace(ws.prepared, declared=declared)
 
     def _closing(self, node: Node, closer: int) -> WriteState | None:
         """The file a writer's close is to prepare for its publish; None if none is (nothing
@@ -1252,6 +1292,7 @@ class Objects:
         current, version = ws.prepared, self._version(ws)
         if current is not None:
             if current.version == version and (current.durable or not durable):
+                self._take_declared(ws)
                 return
             ws.prepared = None
             self._discard(ws, current)
@@ -1259,11 +1300,15 @@ class Objects:
             node.mtime_ns = version[1]
         attrs = self._file_attrs(node)
         held = await self.evictor.reserve(ws.buffer.size if ws.file is None else version[0])
-        prepared = Prepared(None, version, attrs, held, durable)
+        prepared = Prepared(None, version, attrs, held, durable, ws.declared)
+        ws.declared = None
         try:
             if ws.file is None:
                 published = await self._write_tmp(ws.buffer, attrs, durable)
                 prepared = dataclasses.replace(prepared, published=published)
+                if prepared.declared not in (None, published.checksum):
+                    self._discard_tmp(ws, prepared)
+                    raise _undeclared_bytes(published.checksum, prepared.declared)
             elif durable:  # fsync: checksummed and flushed now, not at the publish
                 sealed = await self._seal(ws, prepared)
                 assert sealed is not None  # (unchecked: it always seals)
@@ -1305,6 +1350,7 @@ class Objects:
             ws.direct,
             unchanged_since,
             with_checksum,
+            prepared.declared,
         )
 
     @staticmethod
@@ -1313,6 +1359,12 @@ class Objects:
             return None
         published, version = sealed
         return dataclasses.replace(prepared, published=published, version=version)
+
+    @staticmethod
+    def _reads_to_seal(prepared: Prepared) -> bool:
+        """Whether a passthrough file's seal reads its bytes (for its checksum): not if its
+        writer declared one, nor if it is small."""
+        return prepared.declared is None and prepared.version[0] >= CHECKSUM_LATER_MIN
 
     def _checksum_later(self, ws: WriteState, size: int) -> bool:
         """Whether a passthrough file's publish leaves its checksum to the sealer: written past
@@ -1359,11 +1411,11 @@ class Objects:
             sealed: Prepared | None = prepared
             if prepared.published is None:  # a passthrough file: sealed at its publish
                 # a chmod or touch after its close holds; one trip checks and seals (and takes
-                # its checksum, unless the sealer may take it later)
+                # its checksum, unless declared or the sealer may take it later)
                 attrs = self._file_attrs(node)
-                later = self._checksum_later(ws, prepared.version[0])
+                later = prepared.declared is None and self._checksum_later(ws, prepared.version[0])
                 prepared = dataclasses.replace(prepared, attrs=attrs)
-                if ws.renaming and (later or prepared.version[0] < CHECKSUM_LATER_MIN):
+                if ws.renaming and (later or not self._reads_to_seal(prepared)):
                     seal = not later  # its final name is known: sealed as it is placed
                 else:
                     sealed = await self._seal(ws, prepared, check=True, with_checksum=not later)
@@ -1386,6 +1438,8 @@ class Objects:
         assert prepared.published is not None
         if prepared.published.checksum is None and node.attached:
             self.sealer.defer(node, prepared.published.size)
+        elif prepared.declared is not None:
+            self.counters.checksums_declared += 1
         if rewritten:
             self.listener.content_changed(node)
         elif prepared.published.blocks != math.ceil(prepared.published.size / 512):

@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from kvfs import _chunk_calls, chunk_io
+from kvfs import _chunk_calls, checksum, chunk_io
+from tests.conftest import small_filesystem
 
 SIZE = 2 * mmap.PAGESIZE
 LOADS: dict[str, Callable[[str, mmap.mmap, int], tuple[int, int]]] = {
     "c": _chunk_calls.load,
     "python": chunk_io._load_calls,
 }
-Store = Callable[[str, str, bytes | mmap.mmap, int, int], int | None]
+Store = Callable[..., int | None]
 STORES: dict[str, Store] = {"c": _chunk_calls.store, "python": chunk_io._store_calls}
 CREATE = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC
 
@@ -96,6 +97,24 @@ def test_a_store_writes_the_temp_file_and_renames_it_over_the_name(
     assert store(tmp, path, b"chunk", CREATE, 0o640) == 5
     assert Path(path).read_bytes() == b"chunk" and not os.path.exists(tmp)
     assert os.stat(path).st_mode & 0o777 == 0o640
+
+
+@pytest.mark.parametrize("store", STORES.values(), ids=STORES.keys())
+def test_a_declared_checksum_goes_with_the_file_where_the_filesystem_keeps_it(
+    store: Store, tmp_path: Path
+) -> None:
+    """Set on the temp file before its close (a kvfs mount keeps it, ext4 too); a filesystem
+    without user xattrs (ramfs) stores the chunk without it."""
+    declared = checksum.checksum(b"abc")
+    ext4, ramfs = tmp_path / "ext4", tmp_path / "ramfs"
+    ext4.mkdir()
+    with small_filesystem(ramfs, "ramfs"):
+        for directory in (ext4, ramfs):
+            tmp, path = str(directory / "c.tmp"), str(directory / "c.bin")
+            assert store(tmp, path, b"abc", CREATE, 0o644, declared) == 3
+            assert Path(path).read_bytes() == b"abc" and not os.path.exists(tmp)
+        assert os.getxattr(ext4 / "c.bin", checksum.XATTR) == declared.encode()
+        assert checksum.XATTR not in os.listxattr(ramfs / "c.bin")
 
 
 @pytest.mark.parametrize("store", STORES.values(), ids=STORES.keys())

@@ -17,6 +17,7 @@ import zmq
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+from kvfs import checksum
 from kvfs.config import ConfigError
 from kvfs.connector.kv_connector import KVConnector
 from kvfs.host_region import region_path
@@ -226,6 +227,23 @@ def test_a_tier_that_falls_behind_has_cascades_dropped(harness_factory: Any) -> 
     h.conn.step()
     assert manager.host.busy_slots == 0
     assert sorted(manager.tiers[0]._chunks) == sorted(keys[:2])  # type: ignore[attr-defined]
+
+
+def test_the_fs_tier_declares_the_checksum_of_each_chunk_it_stores_on_a_mount(
+    kv_mount: Mount, harness_factory: Any
+) -> None:
+    root = kv_mount.path / f"declared-{uuid.uuid4().hex[:6]}"
+    h = harness_factory(
+        cpu_bytes_to_use=64 << 20, secondary_tiers=[{"type": "fs", "root_dir": str(root)}]
+    )
+    before = kv_mount.usage()["counters"]["checksums_declared"]
+    h.store(h.keys(3))
+    files = sorted(root.rglob("*.bin"))
+    assert len(files) == 3
+    kv_mount.settle()
+    assert kv_mount.usage()["counters"]["checksums_declared"] - before == 3
+    for file in files:
+        assert os.getxattr(file, checksum.XATTR) == checksum.checksum(file.read_bytes()).encode()
 
 
 def test_a_full_host_tier_refuses_stores_and_promotions_cleanly(harness_factory: Any) -> None:

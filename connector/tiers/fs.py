@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvfs import chunk_io
+from kvfs import checksum, chunk_io
 from kvfs import control_protocol as proto
 from kvfs.config import ConfigError
 from kvfs.connector.tiers.async_lookup import AsyncLookup
@@ -100,6 +100,9 @@ class FsTier(SecondaryTier):
         # (kvfs/control_protocol.py) instead of a stat per chunk, each a FUSE round trip.
         mount = proto.lookup_mount(self.root)
         self._mount_lookups = proto.LookupClient(mount) if mount is not None else None
+        # ... and each store declares its chunk's checksum, which the mount then keeps instead
+        # of reading the chunk back from its disk (O_DIRECT bytes pass the daemon by).
+        self._declares = mount is not None
         self._data_dir = (
             os.path.relpath(os.path.join(os.path.realpath(self.root), config.data_dir), mount)
             if mount is not None
@@ -209,7 +212,9 @@ class FsTier(SecondaryTier):
         written, ok = [], True
         for i in piece:
             try:
-                if chunk_io.store(self.path(job.keys[i]), self.slot(job.slots[i]), self.o_direct):
+                data = self.slot(job.slots[i])
+                declared = checksum.checksum(data) if self._declares else None
+                if chunk_io.store(self.path(job.keys[i]), data, self.o_direct, declared):
                     written.append(job.keys[i])
             except OSError as err:
                 log.debug("fs tier %s: store of %s: %s", self.name, job.keys[i].hex(), err)
