@@ -31,7 +31,7 @@ from typing import Any
 
 from kvfs import chunk_io
 
-_TIMED = ("write", "replace", "lseek", "preadv", "mkdir", "unlink")
+_TIMED = ("write", "setxattr", "replace", "lseek", "preadv", "mkdir", "unlink")
 
 
 class CallTimes:
