@@ -130,7 +130,9 @@ def test_only_a_file_being_written_takes_a_declaration(kv_mount: Mount) -> None:
     kv_mount.settle()
     digest = checksum.checksum(data).encode()
     other = checksum.checksum(b"other bytes").encode()
-    for target in (path, kv_mount.path, path.parent):
+    directory = kv_mount.path / f"dir-{uuid.uuid4().hex[:8]}"
+    directory.mkdir()
+    for target in (path, directory, kv_mount.path):
         with pytest.raises(OSError) as err:
             os.setxattr(target, XATTR, other)
         assert err.value.errno == errno.EPERM
