@@ -21,7 +21,7 @@ MOUNT_TESTS := tests/test_posix.py tests/test_posix_special.py tests/test_publis
 	tests/test_crash_loop.py tests/test_observability.py tests/test_deployment.py \
 	tests/test_batch_lookup.py tests/test_kvfs_tier.py tests/test_vllm_engine.py \
 	tests/test_shared.py tests/test_shared_sshfs.py tests/test_fs_tier.py tests/test_vllm_interop.py \
-	tests/test_vllm_spec.py
+	tests/test_vllm_spec.py tests/test_declared_checksum.py
 
 # The tests also need a loopback sshd and sshfs clients (a real shared filesystem); `make run`
 # installs no SSH server.
