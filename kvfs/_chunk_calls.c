@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/xattr.h>
 #include <unistd.h>
 
@@ -63,9 +64,10 @@ static PyObject *load(PyObject *Py_UNUSED(module), PyObject *args)
     return Py_BuildValue("(Ln)", (long long)size, got);
 }
 
-/* store(tmp, path, data, flags, mode, declared=None) -> written | None: create tmp (flags hold
- * O_EXCL), one write, close, rename over path; the bytes written (short: not renamed), or None
- * where the directory is missing. tmp is gone afterwards unless renamed, whatever is raised.
+/* store(tmp, path, data, flags, mode, declared=None) -> written | None: where path is there
+ * already, FileExistsError naming path (nothing written); else create tmp (flags hold O_EXCL),
+ * one write, close, rename over path; the bytes written (short: not renamed), or None where
+ * the directory is missing. tmp is gone afterwards unless renamed, whatever is raised.
  * declared: the bytes' checksum, set as user.kvfs.checksum before the close where the whole
  * write went in (where the filesystem refuses it, the store goes on without it). */
 static PyObject *store(PyObject *Py_UNUSED(module), PyObject *args)
@@ -83,7 +85,7 @@ static PyObject *store(PyObject *Py_UNUSED(module), PyObject *args)
     }
     const char *tmp_name = PyBytes_AS_STRING(tmp_encoded);
     const char *path_name = PyBytes_AS_STRING(path_encoded);
-    enum { DONE, NO_DIRECTORY, FAILED, FAILED_RENAME } outcome;
+    enum { DONE, PRESENT, NO_DIRECTORY, FAILED, FAILED_RENAME } outcome;
     ssize_t written;
     int failed_errno;
     for (;;) {
@@ -91,8 +93,14 @@ static PyObject *store(PyObject *Py_UNUSED(module), PyObject *args)
         outcome = DONE;
         written = -1;
         failed_errno = 0;
-        int fd = open(tmp_name, flags | O_CLOEXEC, mode);
-        if (fd < 0) {
+        struct stat there;
+        int fd = -1;
+        /* here, not a call of its own: on a FUSE mount this LOOKUP is a round trip, and the
+         * GIL taken back after each costs the engine's I/O thread more than the trip */
+        if (stat(path_name, &there) == 0) {
+            failed_errno = EEXIST;
+            outcome = PRESENT;
+        } else if ((fd = open(tmp_name, flags | O_CLOEXEC, mode)) < 0) {
             failed_errno = errno;
             outcome = failed_errno == ENOENT ? NO_DIRECTORY : FAILED;
         } else {
@@ -130,6 +138,8 @@ static PyObject *store(PyObject *Py_UNUSED(module), PyObject *args)
         result = PyLong_FromSsize_t(written);
     else if (outcome == NO_DIRECTORY)
         result = Py_NewRef(Py_None);
+    else if (outcome == PRESENT)
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
     else if (outcome == FAILED)
         PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, tmp);
     else

@@ -8,7 +8,7 @@ load: open -> the size (a seek to the end) must be the chunk size -> one preadv 
 caller's buffer.
 
 Both run in C where the package was built with it (``kvfs/_chunk_calls.c``): a store's
-create-write-close-rename and a load's four calls each let the GIL go once, not four times;
+exists-create-write-close-rename and a load's four calls each let the GIL go once, not four times;
 the same calls in Python otherwise (``_store_calls``, ``_load_calls``: the reference).
 
 O_DIRECT needs page-aligned buffers and sizes (the host region's slots are); ``probe_o_direct``
@@ -41,18 +41,21 @@ def store(
     it holds the same bytes). ``declared``: the bytes' checksum (``kvfs.checksum.checksum``),
     set on the file before its close, so that a kvfs mount keeps it rather than read the
     bytes back from its disk (a filesystem that refuses the attribute: stored without it)."""
-    if os.path.exists(path):
-        return False
     tmp = vllm_layout.temp_name(path)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | (O_DIRECT if o_direct else 0)
-    written = _store(tmp, path, data, flags, 0o644, declared)
-    if written is None:
-        # mkdir -p only for a new directory: on a FUSE mount a mkdir of one that is there
-        # still costs a LOOKUP round trip (the kernel revalidates every name it creates).
-        _make_dirs(os.path.dirname(tmp))
+    try:
         written = _store(tmp, path, data, flags, 0o644, declared)
-        if written is None:  # removed again meanwhile
-            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), tmp)
+        if written is None:
+            # mkdir -p only for a new directory: on a FUSE mount a mkdir of one that is there
+            # still costs a LOOKUP round trip (the kernel revalidates every name it creates).
+            _make_dirs(os.path.dirname(tmp))
+            written = _store(tmp, path, data, flags, 0o644, declared)
+            if written is None:  # removed again meanwhile
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), tmp)
+    except FileExistsError as err:
+        if err.filename != path:  # the temp name (a 63-bit draw) was taken: not stored
+            raise
+        return False
     if written != len(data):
         raise ChunkError(f"short write of {path}: {written} of {len(data)} bytes")
     return True
@@ -66,10 +69,12 @@ def _store_calls(
     mode: int,
     declared: str | None = None,
 ) -> int | None:
-    """Create ``tmp`` (``flags`` hold O_EXCL), one write (and ``declared`` set as the file's
-    checksum), close, rename over ``path``: the bytes written (short: not renamed), or None
-    where the directory is missing. The temp file is gone afterwards unless renamed, whatever
-    is raised."""
+    """FileExistsError naming ``path`` where it is there already; else create ``tmp``
+    (``flags`` hold O_EXCL), one write (and ``declared`` set as the file's checksum), close,
+    rename over ``path``: the bytes written (short: not renamed), or None where the directory
+    is missing. The temp file is gone afterwards unless renamed, whatever is raised."""
+    if os.path.exists(path):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
     try:
         fd = os.open(tmp, flags, mode)
     except FileNotFoundError:

@@ -93,10 +93,34 @@ def test_a_store_writes_the_temp_file_and_renames_it_over_the_name(
     store: Store, tmp_path: Path
 ) -> None:
     tmp, path = str(tmp_path / "c.bin_1.tmp"), str(tmp_path / "c.bin")
-    Path(path).write_bytes(b"old")  # replaced: a chunk's bytes are its name's
     assert store(tmp, path, b"chunk", CREATE, 0o640) == 5
     assert Path(path).read_bytes() == b"chunk" and not os.path.exists(tmp)
     assert os.stat(path).st_mode & 0o777 == 0o640
+
+
+@pytest.mark.parametrize("store", STORES.values(), ids=STORES.keys())
+def test_a_store_to_a_name_that_is_there_writes_nothing(store: Store, tmp_path: Path) -> None:
+    """Content-addressed: the file there holds the same bytes, so nothing is written (the check
+    is inside the call: one GIL release a store, not two)."""
+    tmp, path = str(tmp_path / "c.bin_1.tmp"), str(tmp_path / "c.bin")
+    Path(path).write_bytes(b"old")
+    with pytest.raises(FileExistsError) as raised:
+        store(tmp, path, b"chunk", CREATE, 0o644)
+    assert raised.value.filename == path
+    assert Path(path).read_bytes() == b"old" and not os.path.exists(tmp)
+
+
+def test_a_temp_name_someone_holds_fails_the_store_and_stays_theirs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two 63-bit draws that meet: the store fails (not "already there") and leaves the other
+    writer's temp file alone."""
+    path, taken = tmp_path / "c.bin", tmp_path / "c.bin_7.tmp"
+    taken.write_bytes(b"theirs")
+    monkeypatch.setattr(chunk_io.vllm_layout, "temp_name", lambda _: str(taken))
+    with pytest.raises(FileExistsError):
+        chunk_io.store(str(path), b"chunk")
+    assert not path.exists() and taken.read_bytes() == b"theirs"
 
 
 @pytest.mark.parametrize("store", STORES.values(), ids=STORES.keys())
@@ -138,12 +162,12 @@ def test_a_temp_name_taken_is_left_to_its_owner(store: Store, tmp_path: Path) ->
 def test_a_failed_rename_names_both_paths_and_removes_the_temp_file(
     store: Store, tmp_path: Path
 ) -> None:
-    tmp, path = tmp_path / "c.bin_1.tmp", tmp_path / "c.bin"
-    (path / "x").mkdir(parents=True)  # a directory that is not empty holds the name
+    tmp, path = tmp_path / "c.bin_1.tmp", tmp_path / ("c" * 256)  # a name too long to take
     with pytest.raises(OSError) as raised:
         store(str(tmp), str(path), b"chunk", CREATE, 0o644)
+    assert raised.value.errno == errno.ENAMETOOLONG
     assert (raised.value.filename, raised.value.filename2) == (str(tmp), str(path))
-    assert not tmp.exists() and path.is_dir()
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("store", STORES.values(), ids=STORES.keys())

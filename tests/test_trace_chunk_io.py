@@ -28,7 +28,7 @@ def test_every_call_of_a_chunk_store_and_load_is_timed(
 
     assert loaded == data
     assert {call: len(s) for call, s in times.seconds.items()} == {
-        "exists": 1,
+        "exists": 2,  # one a try
         "store (whole)": 2,  # the first finds no directory
         "open (create)": 2,  # the first finds no directory
         "mkdir": 3,  # a/b (no a), a, a/b
@@ -57,7 +57,6 @@ def test_a_store_and_a_load_in_c_are_timed_whole(
     assert chunk_io.store(path, b"x" * 4096)
     chunk_io.load_into(path, memoryview(bytearray(4096)))
     assert {call: len(s) for call, s in times.seconds.items()} == {
-        "exists": 1,
-        "store (whole)": 1,
+        "store (whole)": 1,  # the check for the name inside it
         "load (whole)": 1,
     }
