@@ -4,7 +4,7 @@
 VENV        := .venv
 PY          := $(VENV)/bin/python
 MOUNTPOINT  ?= /mnt/kv-cache
-APT_PKGS    := fuse3 libfuse3-dev pkg-config attr gcc
+APT_PKGS    := fuse3 libfuse3-dev pkg-config attr gcc libxxhash-dev
 VLLM        := vllm==0.33.0
 TORCH       := torch==2.13.0
 

@@ -7,6 +7,6 @@ def store(
     data: memoryview | bytes | mmap.mmap,
     flags: int,
     mode: int,
-    declared: str | None = None,
+    declare: bool = False,
     /,
 ) -> int | None: ...

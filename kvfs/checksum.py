@@ -19,7 +19,7 @@ PREFIX = "xxh3-64:"
 _VALUE = re.compile(rb"xxh3-64:[0-9a-f]{16}")
 
 
-def checksum(data: bytes | bytearray | memoryview) -> str:
+def checksum(data: bytes | bytearray | memoryview | mmap.mmap) -> str:
     return PREFIX + xxhash.xxh3_64_hexdigest(data)
 
 

@@ -35,21 +35,21 @@ def store(
     path: str,
     data: memoryview | bytes | mmap.mmap,
     o_direct: bool = False,
-    declared: str | None = None,
+    declare: bool = False,
 ) -> bool:
     """Publish ``data`` under ``path``; False if a chunk was already there (content-addressed:
-    it holds the same bytes). ``declared``: the bytes' checksum (``kvfs.checksum.checksum``),
-    set on the file before its close, so that a kvfs mount keeps it rather than read the
-    bytes back from its disk (a filesystem that refuses the attribute: stored without it)."""
+    it holds the same bytes). ``declare``: set the bytes' checksum (``kvfs.checksum``) on the
+    file before its close, so that a kvfs mount keeps it rather than read the bytes back from
+    its disk (a filesystem that refuses the attribute: stored without it)."""
     tmp = vllm_layout.temp_name(path)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | (O_DIRECT if o_direct else 0)
     try:
-        written = _store(tmp, path, data, flags, 0o644, declared)
+        written = _store(tmp, path, data, flags, 0o644, declare)
         if written is None:
             # mkdir -p only for a new directory: on a FUSE mount a mkdir of one that is there
             # still costs a LOOKUP round trip (the kernel revalidates every name it creates).
             _make_dirs(os.path.dirname(tmp))
-            written = _store(tmp, path, data, flags, 0o644, declared)
+            written = _store(tmp, path, data, flags, 0o644, declare)
             if written is None:  # removed again meanwhile
                 raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), tmp)
     except FileExistsError as err:
@@ -67,10 +67,10 @@ def _store_calls(
     data: memoryview | bytes | mmap.mmap,
     flags: int,
     mode: int,
-    declared: str | None = None,
+    declare: bool = False,
 ) -> int | None:
     """FileExistsError naming ``path`` where it is there already; else create ``tmp``
-    (``flags`` hold O_EXCL), one write (and ``declared`` set as the file's checksum), close,
+    (``flags`` hold O_EXCL), one write (then, with ``declare``, its checksum set), close,
     rename over ``path``: the bytes written (short: not renamed), or None where the directory
     is missing. The temp file is gone afterwards unless renamed, whatever is raised."""
     if os.path.exists(path):
@@ -83,9 +83,9 @@ def _store_calls(
     try:
         try:
             written = os.write(fd, data)
-            if declared is not None and written == len(data):
+            if declare and written == len(data):  # hashed after the write (_chunk_calls.c)
                 with contextlib.suppress(OSError):
-                    os.setxattr(fd, checksum.XATTR, declared.encode())
+                    os.setxattr(fd, checksum.XATTR, checksum.checksum(data).encode())
         finally:
             os.close(fd)  # a kvfs mount reports a failed publish here
         if written == len(data):

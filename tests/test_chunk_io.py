@@ -127,17 +127,19 @@ def test_a_temp_name_someone_holds_fails_the_store_and_stays_theirs(
 def test_a_declared_checksum_goes_with_the_file_where_the_filesystem_keeps_it(
     store: Store, tmp_path: Path
 ) -> None:
-    """Set on the temp file before its close (a kvfs mount keeps it, ext4 too); a filesystem
-    without user xattrs (ramfs) stores the chunk without it."""
-    declared = checksum.checksum(b"abc")
+    """Set on the temp file before its close (a kvfs mount keeps it, ext4 too), the value
+    kvfs.checksum gives (C hashes with the system's xxHash); a filesystem without user xattrs
+    (ramfs) stores the chunk without it."""
+    data = os.urandom((3 << 20) + 5)  # the hash's long path, and a tail
     ext4, ramfs = tmp_path / "ext4", tmp_path / "ramfs"
     ext4.mkdir()
     with small_filesystem(ramfs, "ramfs"):
         for directory in (ext4, ramfs):
             tmp, path = str(directory / "c.tmp"), str(directory / "c.bin")
-            assert store(tmp, path, b"abc", CREATE, 0o644, declared) == 3
-            assert Path(path).read_bytes() == b"abc" and not os.path.exists(tmp)
-        assert os.getxattr(ext4 / "c.bin", checksum.XATTR) == declared.encode()
+            assert store(tmp, path, data, CREATE, 0o644, True) == len(data)
+            assert Path(path).read_bytes() == data and not os.path.exists(tmp)
+        declared = os.getxattr(ext4 / "c.bin", checksum.XATTR)
+        assert declared == checksum.checksum(data).encode()
         assert checksum.XATTR not in os.listxattr(ramfs / "c.bin")
 
 

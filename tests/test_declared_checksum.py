@@ -35,7 +35,7 @@ def test_a_declared_checksum_is_kept_and_the_file_never_read_back(
         path = vllm_io.chunk_path(str(mount.path), 1)
         data = vllm_io.chunk(1, CHUNK)
         digest = checksum.checksum(data)
-        assert chunk_io.store(path, data, o_direct=True, declared=digest if declare else None)
+        assert chunk_io.store(path, data, o_direct=True, declare=declare)
         backing = mount.on_backing(path)  # published and sealed
         assert os.getxattr(backing, XATTR) == os.getxattr(path, XATTR) == digest.encode()
         usage = mount.usage()
@@ -54,10 +54,14 @@ def test_a_wrong_declaration_in_passthrough_is_found_by_the_scrub(tmp_path: Path
     mount = passthrough_mount(tmp_path, scrub_rate="1G")
     try:
         good, bad = (vllm_io.chunk_path(str(mount.path), k) for k in (1, 2))
-        for key, path in ((1, good), (2, bad)):
-            data = vllm_io.chunk(key, CHUNK)
-            declared = checksum.checksum(data if path == good else b"other bytes")
-            assert chunk_io.store(path, data, o_direct=True, declared=declared)
+        assert chunk_io.store(good, vllm_io.chunk(1, CHUNK), o_direct=True, declare=True)
+        os.makedirs(os.path.dirname(bad), exist_ok=True)
+        fd = os.open(bad, os.O_CREAT | os.O_WRONLY | os.O_DIRECT)
+        try:
+            os.write(fd, vllm_io.chunk(2, CHUNK))
+            os.setxattr(fd, XATTR, checksum.checksum(b"other bytes").encode())
+        finally:
+            os.close(fd)
         deadline = time.monotonic() + 10
         while os.access(bad, os.F_OK):
             assert time.monotonic() < deadline, "the scrub did not find the wrong declaration"

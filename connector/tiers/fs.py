@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvfs import checksum, chunk_io
+from kvfs import chunk_io
 from kvfs import control_protocol as proto
 from kvfs.config import ConfigError
 from kvfs.connector.tiers.async_lookup import AsyncLookup
@@ -213,8 +213,7 @@ class FsTier(SecondaryTier):
         for i in piece:
             try:
                 data = self.slot(job.slots[i])
-                declared = checksum.checksum(data) if self._declares else None
-                if chunk_io.store(self.path(job.keys[i]), data, self.o_direct, declared):
+                if chunk_io.store(self.path(job.keys[i]), data, self.o_direct, self._declares):
                     written.append(job.keys[i])
             except OSError as err:
                 log.debug("fs tier %s: store of %s: %s", self.name, job.keys[i].hex(), err)
