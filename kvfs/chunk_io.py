@@ -61,6 +61,29 @@ def store(
     return True
 
 
+def store_blocks(
+    paths: list[str],
+    buffer: memoryview,
+    offsets: list[int],
+    block_size: int,
+    o_direct: bool = False,
+    declare: bool = False,
+) -> int:
+    """``store`` of ``buffer[offset : offset + block_size]`` under each path in turn, as vLLM's
+    fs tier stores a job's blocks from its host region; the first failure raises (the blocks
+    before it stay stored). The number stored (those already there are not). ValueError, and
+    nothing stored, where a block lies outside the buffer."""
+    flat = buffer.cast("B")
+    if len(paths) != len(offsets):
+        raise ValueError(f"{len(paths)} paths for {len(offsets)} blocks")
+    if any(offset < 0 or offset + block_size > len(flat) for offset in offsets):
+        raise ValueError(f"blocks of {block_size} bytes at {offsets} overrun {len(flat)} bytes")
+    stored = 0
+    for path, offset in zip(paths, offsets, strict=True):
+        stored += store(path, flat[offset : offset + block_size], o_direct, declare)
+    return stored
+
+
 def _store_calls(
     tmp: str,
     path: str,

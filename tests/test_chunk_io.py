@@ -190,3 +190,35 @@ def test_store_makes_the_missing_directories_and_skips_a_chunk_already_there(
     assert chunk_io.store(str(path), b"chunk")
     assert not chunk_io.store(str(path), b"other")  # content-addressed: the same bytes
     assert path.read_bytes() == b"chunk" and os.listdir(path.parent) == ["c.bin"]
+
+
+def test_store_blocks_stores_each_block_of_a_buffer_under_its_path(tmp_path: Path) -> None:
+    region = mmap.mmap(-1, 4 * SIZE)  # a host region of four page-aligned slots
+    region.write(os.urandom(4 * SIZE))
+    paths = [str(tmp_path / "x" / f"{i}.bin") for i in range(3)]
+    assert chunk_io.store_blocks(paths, memoryview(region), [3 * SIZE, 0, SIZE], SIZE) == 3
+    for path, slot in zip(paths, (3, 0, 1), strict=True):
+        assert Path(path).read_bytes() == region[slot * SIZE : (slot + 1) * SIZE]
+    assert chunk_io.store_blocks(paths[:1], memoryview(region), [2 * SIZE], SIZE) == 0  # there
+
+
+def test_store_blocks_checks_every_block_before_it_stores_one(tmp_path: Path) -> None:
+    region = memoryview(bytearray(2 * SIZE))
+    paths = [str(tmp_path / f"{i}.bin") for i in range(2)]
+    with pytest.raises(ValueError, match="overrun"):
+        chunk_io.store_blocks(paths, region, [0, SIZE + 1], SIZE)
+    with pytest.raises(ValueError, match="2 paths for 1 blocks"):
+        chunk_io.store_blocks(paths, region, [0], SIZE)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_store_blocks_stops_at_the_first_failure_keeping_the_blocks_before_it(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "file").write_bytes(b"")  # a file where the second block's directory would be
+    region = memoryview(bytearray(os.urandom(3 * SIZE)))
+    paths = [str(tmp_path / "a.bin"), str(tmp_path / "file" / "b.bin"), str(tmp_path / "c.bin")]
+    with pytest.raises(NotADirectoryError):
+        chunk_io.store_blocks(paths, region, [0, SIZE, 2 * SIZE], SIZE)
+    assert (tmp_path / "a.bin").read_bytes() == region[:SIZE]
+    assert sorted(os.listdir(tmp_path)) == ["a.bin", "file"]

@@ -5,6 +5,7 @@ batched lookup per step, and turns a corrupt chunk into a failed load and a miss
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvfs import checksum
 from tests import vllm_tier
 from tests.conftest import Mount
 from tests.vllm_tier import LookupResult
@@ -186,3 +188,52 @@ def test_a_root_off_any_kvfs_mount_is_refused(tmp_path: Path, region: vllm_tier.
     with pytest.raises(ValueError, match="not on a kvfs mount"):
         kvfs_tier(tmp_path / "plain", region)
     assert not (tmp_path / "plain").exists()  # refused before vLLM's fs tier made anything
+
+
+def test_stores_declare_their_checksums_where_vllms_fs_tier_leaves_them_to_the_mount(
+    kv_mount: Mount, region: vllm_tier.HostRegion
+) -> None:
+    """vLLM's fs tier writes O_DIRECT and declares nothing: a passthrough mount never sees
+    those bytes and reads each chunk back from its disk for its checksum. KvfsTier declares
+    each chunk's checksum as it writes it; a chunk already there is neither written nor
+    declared again."""
+    root = kv_mount.path / "declared"
+    filled(region, range(0, 8), seed=4)
+    ours, theirs = vllm_tier.new_keys(4), vllm_tier.new_keys(4)
+
+    def declared() -> int:
+        return int(kv_mount.usage()["counters"]["checksums_declared"])
+
+    before = declared()
+    kvfs, fs = kvfs_tier(root, region), vllm_tier.Tier(str(root), region)
+    try:
+        assert kvfs.store(ours, [0, 1, 2, 3]).success
+        assert fs.store(theirs, [4, 5, 6, 7]).success
+        assert kvfs.store([ours[0], *theirs[:1]], [0, 4]).success  # both there: nothing written
+    finally:
+        kvfs.close()
+        fs.close()
+    assert declared() - before == 4
+    kv_mount.settle()
+    for key, row in zip(ours, region.array[0:4], strict=True):
+        backing = kv_mount.on_backing(kvfs_tier_path(root, region, key))
+        assert os.getxattr(backing, checksum.XATTR) == checksum.checksum(row.tobytes()).encode()
+        assert backing.read_bytes() == row.tobytes()
+
+
+def test_a_store_job_fails_at_its_first_failed_block(
+    kv_mount: Mount, region: vllm_tier.HostRegion
+) -> None:
+    """As vLLM's fs tier: the job fails, the blocks before the failure stay stored."""
+    root = kv_mount.path / "failing"
+    filled(region, range(0, 2), seed=5)
+    keys = vllm_tier.new_keys(2)
+    tier = kvfs_tier(root, region)
+    try:
+        second = Path(tier.path(keys[1]))
+        second.parent.parent.mkdir(parents=True, exist_ok=True)
+        second.parent.write_bytes(b"")  # a file where the second chunk's directory goes
+        assert not tier.store(keys, [0, 1]).success
+        assert tier.lookup(keys) == [LookupResult.HIT, LookupResult.MISS]
+    finally:
+        tier.close()
