@@ -30,6 +30,11 @@ for the whole run, so every target is measured under it: kvfs/cpu_latency.py).
 
 Every target uses O_DIRECT when vLLM's probe passes there, as vLLM would (``--o-direct`` overrides).
 Run as root (it drops the page cache and mounts).
+
+A store measure (``--total-mib``, 256 by default) is a burst: it fits the GiB of O_DIRECT chunks
+a kernel-session mount lets wait for their checksums, which it reads back once the writers
+pause. A sustained store load past that, where each publish reads its chunk back, is
+tools/bench_vllm_tier.py's (and ``--total-mib 1024`` here shows it begin).
 """
 
 from __future__ import annotations
