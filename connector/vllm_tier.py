@@ -15,8 +15,8 @@ so the mount keeps it instead of reading the chunk back from its disk: vLLM writ
 which a passthrough mount never sees. Past the GiB of such chunks the mount lets wait for their
 read-back (``--checksum-backlog``), each publish reads its chunk back itself, and until the
 backlog is read the engine's loads share the disk with it (``python -m tools.bench_vllm_tier``,
-2 GiB of 2 MiB chunks, two runs: stores at 0.56-0.64 of the plain directory's through the fs
-tier, 0.60-0.73 through this one; the loads after them 0.75-0.91 and 0.98-1.11).
+2 GiB of 2 MiB chunks, three runs: stores at 0.56-0.64 of the plain directory's through the
+fs tier, 0.60-0.73 through this one; the loads after them 0.75-0.91 and 0.95-1.11).
 
 The mount's outcomes reach vLLM as job results: a load whose chunk fails its checksum, or
 whose read passes the mount's deadline, gets EIO (never wrong bytes), so the job fails with

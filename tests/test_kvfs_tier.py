@@ -1,6 +1,8 @@
 """KvfsTier, loaded by vLLM 0.33.0's own SecondaryTierFactory from the README's config: stores
 and loads through a real mount byte-exact, shares files with vLLM's fs tier both ways, asks one
-batched lookup per step, and turns a corrupt chunk into a failed load and a miss."""
+batched lookup per step, declares each chunk's checksum as it stores it, fails a store job at
+its first failed block as vLLM's fs tier does, and turns a corrupt chunk into a failed load and
+a miss."""
 
 from __future__ import annotations
 
