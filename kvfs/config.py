@@ -167,7 +167,8 @@ class MountConfig:
     # verify "first-read": bytes written past the page cache (O_DIRECT, passthrough) that may
     # be published before their checksum is taken: reading them back at the publish would
     # cost the disk a second trip while the writers wait on it. The sealer takes them when
-    # the writers pause (mount/sealer.py). 0: every such publish reads its file back itself.
+    # the engine pauses its stores and loads (mount/sealer.py). 0: every such publish reads
+    # its file back itself.
     checksum_backlog_bytes: int = 1 << 30
     # A store's temp file (<chunk>.bin_<digits>.tmp, vLLM's), closed and not yet renamed, waits
     # this long for its rename before its last release publishes it under the temp name: the

@@ -146,7 +146,8 @@ OPTIONS: tuple[Option, ...] = (
         "checksum-backlog",
         "with --verify first-read: bytes written O_DIRECT in passthrough that may be "
         "published before their checksum is taken, with K/M/G (0: each publish reads its "
-        "file back first); they are checksummed when the writers pause (or after 5 s)",
+        "file back first); they are checksummed when the engine pauses its stores and loads "
+        "(or after 5 s)",
         field="checksum_backlog_bytes",
         parse=parse_size,
         show=format_size,

@@ -1438,8 +1438,10 @@ class Objects:
         assert prepared.published is not None
         if prepared.published.checksum is None and node.attached:
             self.sealer.defer(node, prepared.published.size)
-        elif prepared.declared is not None:
-            self.counters.checksums_declared += 1
+        else:  # a store all the same: the sealer's read-back waits for the engine to pause
+            self.sealer.busy()
+            if prepared.declared is not None:
+                self.counters.checksums_declared += 1
         if rewritten:
             self.listener.content_changed(node)
         elif prepared.published.blocks != math.ceil(prepared.published.size / 512):
@@ -1783,6 +1785,7 @@ class Objects:
         self._check_published(node)
         self.index.read(node, time.time_ns())
         self.counters.reads += 1
+        self.sealer.busy()
         self._recency_dirty[node.ino] = node  # persisted by persist_recency_forever
 
     async def _open_backing(self, node: Node, direct: bool = True) -> Reader:

@@ -7,8 +7,9 @@ with the engine's next writes for the same device (about half the plain director
 throughput on one disk: docs/benchmarks.md). So such a file (256 KiB or more:
 ``objects.CHECKSUM_LATER_MIN``) is published without a checksum, trusted meanwhile as this
 daemon's own write (as a checksummed one is until the scrub), and the sealer reads it back
-once the writers pause for QUIET_SECONDS, or once it has waited MAX_WAIT_SECONDS whatever they
-do. At most ``--checksum-backlog`` bytes wait (give or take the publishes under way when it is
+once the engine pauses for QUIET_SECONDS (no publish, and no file opened for reading: its
+loads want the disk too), or once it has waited MAX_WAIT_SECONDS whatever the engine does. At
+most ``--checksum-backlog`` bytes wait (give or take the publishes under way when it is
 checked: each is admitted alone): past that a publish reads its file back itself (as every
 publish does with 0, and every publish of a file written through the page cache, where the
 read-back costs no disk).
@@ -33,9 +34,9 @@ from kvfs.index import Node
 
 log = logging.getLogger(__name__)
 
-# The writers paused this long: the disk is free for the read-back.
+# The engine paused its stores and loads this long: the disk is free for the read-back.
 QUIET_SECONDS = 0.1
-# No file waits longer for its checksum, however busy the writers are.
+# No file waits longer for its checksum, however busy the engine is.
 MAX_WAIT_SECONDS = 5.0
 
 Recheck = Callable[[Node], Awaitable[tuple[int, bool] | None]]
@@ -54,7 +55,7 @@ class Sealer:
         self.limit = limit  # bytes that may wait
         self._recheck = recheck  # reads a published file back whole; keeps its checksum
         self._waiting: deque[tuple[Node, int, float]] = deque()  # node, bytes, published at
-        self._last_deferred = -math.inf
+        self._last_busy = -math.inf  # the engine's last publish or open for reading
         self._arrived = trio.lowlevel.ParkingLot()
         self.stats = SealerStats()
 
@@ -66,11 +67,15 @@ class Sealer:
         """``node`` was published without its checksum (``admits`` said so)."""
         now = trio.current_time()
         self._waiting.append((node, size, now))
-        self._last_deferred = now
+        self._last_busy = now
         self.stats.deferred += 1
         self.stats.waiting += 1
         self.stats.waiting_bytes += size
         self._arrived.unpark_all()
+
+    def busy(self) -> None:
+        """The engine published a file or opened one for reading: its I/O wants the disk."""
+        self._last_busy = trio.current_time()
 
     async def run_forever(self) -> None:
         while True:
@@ -78,9 +83,9 @@ class Sealer:
                 await self._arrived.park()
                 continue
             node, size, since = self._waiting[0]
-            ready = min(self._last_deferred + QUIET_SECONDS, since + MAX_WAIT_SECONDS)
+            ready = min(self._last_busy + QUIET_SECONDS, since + MAX_WAIT_SECONDS)
             if trio.current_time() < ready:
-                await trio.sleep_until(ready)  # a later publish may push it on: look again
+                await trio.sleep_until(ready)  # a publish or open meanwhile pushes it on
                 continue
             self._waiting.popleft()
             try:

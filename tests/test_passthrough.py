@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import subprocess
 import time
@@ -18,6 +19,7 @@ import pytest
 from kvfs import checksum
 from kvfs.mount.objects import CHECKSUM_LATER_MIN, SPARE_TMPS
 from kvfs.mount.scrub import FILE_COST
+from kvfs.mount.sealer import QUIET_SECONDS
 from tests import vllm_tier
 from tests.conftest import Mount, make_mount, small_filesystem
 from tests.test_integrity import flip_byte
@@ -159,6 +161,36 @@ def test_a_file_written_with_o_direct_is_checksummed_as_the_disk_holds_it(
         assert served_bytes(mount) == 0  # the seal is no read: passed through
     finally:
         mount.stop()
+
+
+def test_the_read_back_waits_while_the_engine_loads(passthrough_mount: Mount) -> None:
+    """A chunk published without its checksum is read back once the engine pauses its loads
+    too (QUIET_SECONDS without an open for reading): the read-back would share the disk with
+    them. While another chunk is loaded again and again, the seal comes only after a gap of
+    QUIET_SECONDS between two loads (a stall of this test is one); once they stop, it comes."""
+    mount = passthrough_mount
+    loaded, waiting = (vllm_io.chunk_path(str(mount.path), key) for key in (1, 2))
+    vllm_io.store(loaded, vllm_io.chunk(1, ROW), o_direct=True)
+    mount.settle()
+    sealed = checksum_backlog(mount)["sealed"]  # the first one's
+    start = time.monotonic()
+    vllm_io.store(waiting, vllm_io.chunk(2, ROW), o_direct=True)  # its seal deferred
+    busy = [(start, time.monotonic())]  # each store's or load's start and end
+    sealed_while_loading = False
+    until = start + 5 * QUIET_SECONDS
+    while time.monotonic() < until:
+        start = time.monotonic()
+        assert vllm_io.load(loaded, ROW, o_direct=True) == vllm_io.chunk_bytes(1, ROW)
+        busy.append((start, time.monotonic()))
+        if checksum_backlog(mount)["sealed"] > sealed:
+            sealed_while_loading = True
+            break
+    if sealed_while_loading:  # only after a pause: the longest from one's start to the next's end
+        assert max(end - begun for (begun, _), (_, end) in itertools.pairwise(busy)) >= (
+            QUIET_SECONDS
+        )
+    mount.settle()  # sealed once the loads stopped
+    assert checksum_backlog(mount)["sealed"] == sealed + 1
 
 
 def test_a_chunk_left_without_its_checksum_by_a_kill_is_checked_at_its_first_read(
