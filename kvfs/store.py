@@ -22,7 +22,7 @@ import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvfs import checksum, layout, namespaces, vllm_layout
+from kvfs import cached_open, checksum, layout, namespaces, vllm_layout
 from kvfs.buffers import ALIGN, EXTENT, ChunkBuffer, ExtentPool
 from kvfs.index import Index, Node
 
@@ -428,6 +428,13 @@ class BackingStore:
         O_DIRECT would make every passthrough read direct, and unaligned ones fail)."""
         flags = os.O_RDONLY | os.O_CLOEXEC | (self._direct_flag if direct else 0)
         return os.open(self.abs(rel), flags)
+
+    def open_reader_cached(self, rel: bytes, direct: bool = True) -> int | None:
+        """``open_reader`` without I/O, safe on an event loop: None where the path is not all
+        in the kernel's caches (``cached_open``)."""
+        return cached_open.open_cached(
+            self.abs(rel), os.O_RDONLY | (self._direct_flag if direct else 0)
+        )
 
     def read_verified(
         self, fd: int, expected: str | None, pool: ExtentPool

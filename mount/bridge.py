@@ -89,11 +89,24 @@ class IO:
         self.pool.submit(queue, functools.partial(fn, *args), deliver)
         return future
 
+    def post(self, queue: Queue, fn: Callable[..., object], *args: Any) -> None:
+        """Run a job that nobody awaits (a discard, a close): its end does not wake the loop,
+        which a delivery costs; a failure is logged from the pool."""
+        self.pool.submit(queue, functools.partial(fn, *args), log_failure)
+
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.submit(Queue.READ, fn, *args).wait()
 
     async def write(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.submit(Queue.WRITE, fn, *args).wait()
+
+
+def log_failure(_: object, error: BaseException | None) -> None:
+    """The pool's callback for a job nobody awaits."""
+    if isinstance(error, OSError):
+        log.warning("background I/O failed: %s", error)
+    elif error is not None:
+        log.error("background I/O failed", exc_info=error)
 
 
 class Detached:

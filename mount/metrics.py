@@ -265,6 +265,12 @@ def _activity(s: Report) -> Iterator[Metric]:
     counters = s["counters"]
     yield _counter("kvfs_reads", "Files opened for reading", counters["reads"])
     yield _counter(
+        "kvfs_reads_cached_open",
+        "Of those, backing files opened without a trip to the I/O pool (path in the kernel's "
+        "caches)",
+        counters["cached_opens"],
+    )
+    yield _counter(
         "kvfs_read_bytes", "Bytes read from the backing store and verified", counters["bytes_read"]
     )
     yield _counter("kvfs_publishes", "Files published (written whole)", counters["publishes"])

@@ -45,7 +45,16 @@ from kvfs.config import MountConfig
 from kvfs.index import Index, Node
 from kvfs.io_queues import DualQueuePool, Queue
 from kvfs.mount import shared
-from kvfs.mount.bridge import IO, ByteBudget, Detached, Future, Lock, NamespaceLock, NeedsIO
+from kvfs.mount.bridge import (
+    IO,
+    ByteBudget,
+    Detached,
+    Future,
+    Lock,
+    NamespaceLock,
+    NeedsIO,
+    log_failure,
+)
 from kvfs.mount.eviction import EvictionReason, Evictor
 from kvfs.mount.sealer import Sealer
 from kvfs.mount.share import Share
@@ -116,6 +125,7 @@ class ObjectCounters:
     """What the object layer did since the mount (the daemon's report and /metrics show it)."""
 
     reads: int = 0  # published files opened for reading
+    cached_opens: int = 0  # of those, backing files opened in the loop (``open_read_now``)
     bytes_read: int = 0  # read from the backing store and verified
     publishes: int = 0  # files published (written whole)
     bytes_written: int = 0  # bytes published
@@ -135,11 +145,6 @@ class ObjectCounters:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values["publish_failures"] = {r.value: self.publish_failures[r] for r in PublishFailure}
         return values
-
-
-def _log_failure(_: object, error: BaseException | None) -> None:
-    if error is not None:
-        log.warning("background I/O failed: %s", error)
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
@@ -300,18 +305,19 @@ class Objects:
 
     def shutdown(self) -> None:
         """Make the directories only the index has, persist the last reads' recency, drop the
-        spare temp files, finish the queued I/O and stop its threads."""
+        spare temp files, finish the queued I/O and stop its threads (the loop may be gone:
+        nothing is delivered to it)."""
         unmade = self._unmade_dirs()
         if unmade:
             dirs = self._dirs_to_make(unmade)
-            self.pool.submit(Queue.WRITE, partial(self.store.make_dirs, dirs), _log_failure)
+            self.pool.submit(Queue.WRITE, partial(self.store.make_dirs, dirs), log_failure)
         for spare in self._spare_tmps:
             os.close(spare.fd)
-            self.pool.submit(Queue.WRITE, partial(self.store.discard, spare.rel), _log_failure)
+            self.pool.submit(Queue.WRITE, partial(self.store.discard, spare.rel), log_failure)
         self._spare_tmps.clear()
         if self._recency_dirty:
             reads = self._recency()
-            self.pool.submit(Queue.WRITE, partial(self.store.save_recency, reads), _log_failure)
+            self.pool.submit(Queue.WRITE, partial(self.store.save_recency, reads), log_failure)
             if self.share is not None:
                 self.share.reads(reads)
         if self.share is not None:
@@ -327,7 +333,7 @@ class Objects:
             await trio.sleep(RECENCY_PERSIST_SECONDS)
             if self._recency_dirty:
                 reads = self._recency()
-                self.io.submit(Queue.WRITE, self.store.save_recency, reads)
+                self.io.post(Queue.WRITE, self.store.save_recency, reads)
                 if self.share is not None:  # the share's global recency
                     self.share.reads(reads)
 
@@ -350,7 +356,7 @@ class Objects:
     def _drop_spares(self, opened: list[tuple[bytes, int]]) -> None:
         for rel, fd in opened:
             os.close(fd)
-            self.io.submit(Queue.WRITE, self.store.discard, rel)
+            self.io.post(Queue.WRITE, self.store.discard, rel)
 
     async def _new_tmp(self, mode: int) -> TmpFile:
         if self._spare_tmps:
@@ -424,7 +430,7 @@ class Objects:
         given before the pool gets to them are closed in the same trip."""
         self._to_close.append(fd)
         if len(self._to_close) == 1:
-            self.io.submit(Queue.READ, self._close_pending)
+            self.io.post(Queue.READ, self._close_pending)
 
     def _close_pending(self) -> None:
         """On the pool: close what close_later gave, until none is left."""
@@ -868,7 +874,7 @@ class Objects:
         self.listener.released(node)
         self.adopted.discard(node.ino)
         if node.on_backing and not node.is_dir:
-            self.io.submit(Queue.WRITE, self.store.discard, self.store.unlinked_path(node.ino))
+            self.io.post(Queue.WRITE, self.store.discard, self.store.unlinked_path(node.ino))
 
     def _backing_rel(self, node: Node) -> bytes:
         """Where the backing store holds a node's published bytes."""
@@ -1390,7 +1396,7 @@ class Objects:
         """Remove the temp file of prepared bytes (a passthrough file's stays: its writers and
         readers have it; it goes with the write state)."""
         if ws.file is None and prepared.published is not None:
-            self.io.submit(Queue.WRITE, self.store.discard, prepared.published.tmp)
+            self.io.post(Queue.WRITE, self.store.discard, prepared.published.tmp)
 
     async def _publish(self, node: Node, ws: WriteState) -> None:
         """Rename the prepared bytes into place if they are the file as its last close left
@@ -1664,7 +1670,7 @@ class Objects:
         if ws.file is not None:
             self.close_later(ws.file.fd)
             if ws.dirty:  # never published: its temp file goes
-                self.io.submit(Queue.WRITE, self.store.discard, ws.file.rel)
+                self.io.post(Queue.WRITE, self.store.discard, ws.file.rel)
         self.budget.release(ws.buffer.capacity)
         ws.buffer.release()
         if ws.file is None or ws.dirty or not node.on_backing:
@@ -1755,6 +1761,23 @@ class Objects:
         )
         self.count_read(node)
         return reader
+
+    def open_read_now(self, node: Node, passthrough: bool) -> Reader:
+        """``open_read`` from memory, in the receive loop: a published file, not being written,
+        whose backing path the kernel resolves from its caches (``open_reader_cached``: no
+        I/O, so no trip to the I/O pool). NeedsIO for any other, and while a change of names,
+        or a publish of this file, may be moving it on the backing store."""
+        if node.ino in self.writes or self.store.host is not None:
+            raise NeedsIO()
+        if self._ns.locked() or self._committing(node):
+            raise NeedsIO()
+        self._check_published(node)
+        fd = self.store.open_reader_cached(self._backing_rel(node), not passthrough)
+        if fd is None:
+            raise NeedsIO()
+        self.count_read(node)
+        self.counters.cached_opens += 1
+        return Reader(fd, node.checksum)
 
     async def await_renamed_publish(self, node: Node) -> None:
         """A reader's open of a file that its rename is publishing in the background

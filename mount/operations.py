@@ -193,6 +193,11 @@ class KvfsOperations(NameRequests):
         passthrough = sessions.passthrough(self.session) and self.objects.may_pass_through(node)
         handle = Handle(node, writable=False, passthrough=passthrough)
         handle.reader = await self.objects.open_read(node, passthrough)
+        return self._opened(handle)
+
+    def _opened(self, handle: Handle) -> pyfuse3.FileInfo:
+        """The reply to a reader's open of the version ``handle.reader`` opened."""
+        node = handle.node
         if handle.reader is not None and not handle.reader.unpublished and node.parent:
             self.lookups.hit(node.parent)
         # O_DIRECT needs nothing special: the kernel bypasses its cache for that file descriptor
@@ -201,15 +206,21 @@ class KvfsOperations(NameRequests):
         return self._file_info(handle, keep_cache=not node.rewritten)
 
     def _reopen(self, inode: int, flags: int) -> pyfuse3.FileInfo:
-        """OPEN from memory, in the kernel session's receive loop: a reader's reopen of a chunk
-        whose backing file the session holds; NeedsIO for any other open."""
+        """OPEN from memory, in the kernel session's receive loop: a reader's open of a chunk
+        whose backing file the session holds, or whose backing path is in the kernel's caches
+        (``Objects.open_read_now``); NeedsIO for any other open."""
         if control.is_control(inode) or flags & os.O_ACCMODE != os.O_RDONLY:
             raise NeedsIO()
         node = self._node(inode)
-        held = None if node.is_dir else self._reopen_held(node)
-        if held is None:
+        if node.is_dir:
             raise NeedsIO()
-        return held
+        held = self._reopen_held(node)
+        if held is not None:
+            return held
+        passthrough = sessions.passthrough(self.session) and self.objects.may_pass_through(node)
+        handle = Handle(node, writable=False, passthrough=passthrough)
+        handle.reader = self.objects.open_read_now(node, passthrough)
+        return self._opened(handle)
 
     def _reopen_held(self, node: Node) -> pyfuse3.FileInfo | None:
         """A reader's open answered with the backing file the kernel still holds for this

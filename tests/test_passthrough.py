@@ -91,6 +91,36 @@ def test_a_chunk_from_before_the_restart_is_checked_once_then_passed_through(
     assert served_bytes(passthrough_mount) == checked  # and then passed through
 
 
+def test_an_open_whose_backing_path_the_kernel_has_cached_takes_no_trip_to_the_pool(
+    passthrough_mount: Mount,
+) -> None:
+    """After a restart the mount's scan leaves the backing paths in the kernel's caches: a
+    reader's open opens its backing file in the receive loop (openat2 RESOLVE_CACHED), the
+    first open served and checked, the next passed through. A path the kernel no longer
+    caches is opened on the I/O pool, as before."""
+    paths = [vllm_io.chunk_path(str(passthrough_mount.path), k) for k in range(4)]
+    for key, path in enumerate(paths):
+        vllm_io.store(path, vllm_io.chunk(key, ROW), o_direct=True)
+    passthrough_mount.settle()
+    passthrough_mount.restart()
+    for key, path in enumerate(paths[:3]):
+        assert vllm_io.load(path, ROW, o_direct=True) == vllm_io.chunk_bytes(key, ROW)
+    counters = passthrough_mount.usage()["counters"]
+    assert counters["reads"] == counters["cached_opens"] == 3
+    assert counters["bytes_read"] == 3 * ROW  # served and checked
+    for key, path in enumerate(paths[:3]):
+        assert vllm_io.load(path, ROW, o_direct=True) == vllm_io.chunk_bytes(key, ROW)
+    counters = passthrough_mount.usage()["counters"]
+    assert counters["reads"] == counters["cached_opens"] == 6
+    assert counters["bytes_read"] == 3 * ROW  # passed through
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")  # dentries and inodes
+    assert vllm_io.load(paths[3], ROW, o_direct=True) == vllm_io.chunk_bytes(3, ROW)
+    counters = passthrough_mount.usage()["counters"]
+    assert counters["reads"] == 7 and counters["cached_opens"] == 6
+    assert counters["bytes_read"] == 4 * ROW
+
+
 def test_a_file_written_in_passthrough_is_published_whole_with_its_checksum(
     passthrough_mount: Mount,
 ) -> None:
