@@ -196,6 +196,15 @@ def small_filesystem(where: Path, fstype: str, options: str = "") -> Iterator[Pa
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+def drop_dentries(path: Path) -> bool:
+    """Make the kernel forget the dentries and inodes it can (every filesystem's); whether
+    ``path``'s are among them (a tmpfs keeps its own: they are its files)."""
+    fstype = subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True)
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")
+    return fstype.stdout.strip() != "tmpfs"
+
+
 def mappings(path: Path) -> list[list[str]]:
     """The lines of each of this process's mappings of the file at ``path``, found by device
     and inode (an O_TMPFILE's mapping keeps its first name, /dev/shm/#INO)."""

@@ -21,7 +21,7 @@ from kvfs.mount.objects import CHECKSUM_LATER_MIN, SPARE_TMPS
 from kvfs.mount.scrub import FILE_COST
 from kvfs.mount.sealer import QUIET_SECONDS
 from tests import vllm_tier
-from tests.conftest import Mount, make_mount, small_filesystem
+from tests.conftest import Mount, drop_dentries, make_mount, small_filesystem
 from tests.test_integrity import flip_byte
 from tools import vllm_io
 
@@ -113,11 +113,10 @@ def test_an_open_whose_backing_path_the_kernel_has_cached_takes_no_trip_to_the_p
     counters = passthrough_mount.usage()["counters"]
     assert counters["reads"] == counters["cached_opens"] == 6
     assert counters["bytes_read"] == 3 * ROW  # passed through
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("2\n")  # dentries and inodes
+    cold = drop_dentries(passthrough_mount.backing)
     assert vllm_io.load(paths[3], ROW, o_direct=True) == vllm_io.chunk_bytes(3, ROW)
     counters = passthrough_mount.usage()["counters"]
-    assert counters["reads"] == 7 and counters["cached_opens"] == 6
+    assert counters["reads"] == 7 and counters["cached_opens"] == (6 if cold else 7)
     assert counters["bytes_read"] == 4 * ROW
 
 
