@@ -21,12 +21,13 @@ import pyfuse3
 from pyfuse3 import FUSEError
 
 from kvfs import process
+from kvfs.buffers import ChunkBuffer
 from kvfs.config import MountConfig
 from kvfs.control_protocol import Report
 from kvfs.index import Index, Node
 from kvfs.mount import attributes, control, sessions
 from kvfs.mount.batch_lookup import BatchLookups, Caller
-from kvfs.mount.bridge import NeedsIO, contained
+from kvfs.mount.bridge import Future, NeedsIO, contained
 from kvfs.mount.events import MountEvents
 from kvfs.mount.handles import Handle, Handles
 from kvfs.mount.invalidator import Invalidator
@@ -35,7 +36,7 @@ from kvfs.mount.listener import MountListener
 from kvfs.mount.lookups import FastMisses, LookupCounts
 from kvfs.mount.metrics import Metrics
 from kvfs.mount.names import NameRequests
-from kvfs.mount.objects import Objects
+from kvfs.mount.objects import Objects, Reader
 from kvfs.mount.scrub import Scrub
 from kvfs.store import BackingStore
 
@@ -193,13 +194,19 @@ class KvfsOperations(NameRequests):
         passthrough = sessions.passthrough(self.session) and self.objects.may_pass_through(node)
         handle = Handle(node, writable=False, passthrough=passthrough)
         handle.reader = await self.objects.open_read(node, passthrough)
-        return self._opened(handle)
+        return self._opened(handle, bool(flags & os.O_DIRECT))
 
-    def _opened(self, handle: Handle) -> pyfuse3.FileInfo:
-        """The reply to a reader's open of the version ``handle.reader`` opened."""
+    def _opened(self, handle: Handle, direct: bool) -> pyfuse3.FileInfo:
+        """The reply to a reader's open of the version ``handle.reader`` opened. A served
+        O_DIRECT reader's READs all come here, and none is answered before the whole version
+        is read and checked: that read starts now, while the open is answered and the reader
+        asks (a buffered reader's may be answered by the kernel's page cache)."""
         node = handle.node
-        if handle.reader is not None and not handle.reader.unpublished and node.parent:
+        published = handle.reader is not None and not handle.reader.unpublished
+        if published and node.parent:
             self.lookups.hit(node.parent)
+        if published and direct and not handle.passthrough:
+            self._load(handle)
         # O_DIRECT needs nothing special: the kernel bypasses its cache for that file descriptor
         # and sends READs of up to 1 MiB, each answered in full from the verified buffer. A file
         # published again in place is read past the page cache, which holds one version only.
@@ -220,7 +227,7 @@ class KvfsOperations(NameRequests):
         passthrough = sessions.passthrough(self.session) and self.objects.may_pass_through(node)
         handle = Handle(node, writable=False, passthrough=passthrough)
         handle.reader = self.objects.open_read_now(node, passthrough)
-        return self._opened(handle)
+        return self._opened(handle, bool(flags & os.O_DIRECT))
 
     def _reopen_held(self, node: Node) -> pyfuse3.FileInfo | None:
         """A reader's open answered with the backing file the kernel still holds for this
@@ -253,13 +260,17 @@ class KvfsOperations(NameRequests):
             unpublished = await self.objects.read_unpublished(handle.node, off, size)
             if unpublished is not None:
                 return unpublished
-        if handle.content is None:
-            handle.content = self.objects.start_detached(
-                partial(self.objects.load, handle.node, handle.reader)
-            )
-        version, content = await self.objects.wait(handle.content)
+        version, content = await self.objects.wait(handle.content or self._load(handle))
         handle.reader = version
         return content.read(off, size)
+
+    def _load(self, handle: Handle) -> Future[tuple[Reader, ChunkBuffer]]:
+        """Read and check the version a reader opened, whole, in the background (the READs that
+        need it wait, each within its deadline)."""
+        handle.content = self.objects.start_detached(
+            partial(self.objects.load, handle.node, handle.reader)
+        )
+        return handle.content
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         if fh in self.batch_lookups.handles:

@@ -120,6 +120,39 @@ def test_an_open_whose_backing_path_the_kernel_has_cached_takes_no_trip_to_the_p
     assert counters["bytes_read"] == 4 * ROW
 
 
+def test_an_o_direct_readers_open_of_a_chunk_to_check_starts_reading_it(
+    passthrough_mount: Mount,
+) -> None:
+    """A served open that is O_DIRECT (vLLM's) sends every READ to the daemon, which answers
+    none before it has read and checked the whole chunk: that read starts at the open, while
+    the open is answered and the reader asks. A buffered reader's open starts nothing (the
+    kernel's page cache may answer its reads)."""
+    paths = [vllm_io.chunk_path(str(passthrough_mount.path), k) for k in range(2)]
+    for key, path in enumerate(paths):
+        vllm_io.store(path, vllm_io.chunk(key, ROW), o_direct=True)
+    passthrough_mount.settle()
+    passthrough_mount.restart()  # found at mount: each first open is served and checked
+    fd = os.open(paths[0], os.O_RDONLY)
+    try:
+        time.sleep(0.5)
+        assert served_bytes(passthrough_mount) == 0
+    finally:
+        os.close(fd)
+    fd = os.open(paths[1], os.O_RDONLY | os.O_DIRECT)
+    try:
+        deadline = time.monotonic() + 10
+        while served_bytes(passthrough_mount) < ROW:  # read and checked, no READ asked yet
+            assert time.monotonic() < deadline, "the open did not start the chunk's read"
+            time.sleep(0.05)
+        buf = vllm_io.aligned(ROW)
+        assert os.readv(fd, [buf]) == ROW and bytes(buf) == vllm_io.chunk_bytes(1, ROW)
+    finally:
+        os.close(fd)
+    assert served_bytes(passthrough_mount) == ROW
+    assert vllm_io.load(paths[0], ROW, o_direct=True) == vllm_io.chunk_bytes(0, ROW)
+    assert served_bytes(passthrough_mount) == 2 * ROW
+
+
 def test_a_file_written_in_passthrough_is_published_whole_with_its_checksum(
     passthrough_mount: Mount,
 ) -> None:
