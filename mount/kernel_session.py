@@ -1489,12 +1489,10 @@ class KernelSession:
     def _open_now(self, req: _Request) -> None:
         flags, _ = abi.OPEN_IN.unpack_from(req.body)
         fi = self._ops.open_now(req.nodeid, flags)  # a reader's: NeedsIO for any other
-        if self._reply(req, self._open_out(req.nodeid, fi, None, read_only=True)):
-            return
-        try:  # the opener is gone (see _reply_open); a reader's handle goes from memory too
-            self._ops.release_now(fi.fh)
-        finally:
-            self._detach_backing(req.nodeid, fi.fh)
+        if not self._reply(req, self._open_out(req.nodeid, fi, None, read_only=True)):
+            # The opener is gone (see _reply_open); its handle may be reading its chunk already.
+            assert self._tasks is not None  # (inline requests are answered in main() only)
+            self._tasks.start_soon(self._opener_gone, req.nodeid, fi, None)
 
     async def _reply_open(
         self,
