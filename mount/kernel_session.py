@@ -675,10 +675,10 @@ class KernelSession:
         # chunks whose backing file the session holds), are called in the receive loop: no
         # task per request, a third to a half less latency and CPU. Where one needs I/O after
         # all it raises NeedsIO, and the request is served in a task.
-        # ``create_now``, ``flush_now``, ``rename_now`` and ``mkdir_now`` answer the common
-        # steps of a store (a new passthrough file, its close, its rename to the final name,
-        # the directories above it) the same way (the rename's publish follows in the
-        # background).
+        # ``create_now``, ``flush_now``, ``release_now``, ``rename_now`` and ``mkdir_now``
+        # answer the common steps of a store (a new passthrough file, its close, its last
+        # release, its rename to the final name, the directories above it) the same way (the
+        # rename's publish follows in the background).
         # ``idle_now()``, where there is one, is called whenever the loop has answered all it
         # holds, before it reads again: bookkeeping that need not delay an answer.
         inline = [
@@ -1579,7 +1579,7 @@ class KernelSession:
     def _release_now(self, req: _Request) -> None:
         (fh, *_) = abi.RELEASE_IN.unpack_from(req.body)
         try:
-            self._ops.release_now(fh)  # a reader's: NeedsIO for any other
+            self._ops.release_now(fh)  # a reader's or a store's: NeedsIO for any other
         except NeedsIO:
             raise  # served in a task, which detaches after its release
         except BaseException:

@@ -222,9 +222,6 @@ class WriteState:
     published_as: tuple[int, int] | None = None
     renaming: int = 0  # renames that gave the closed file its final name, its publish to come
     publishing: Future[None] | None = None  # the publish its last rename began in the background
-    # Set to end its last release's wait for a rename (``_await_rename``): renamed and
-    # published, or unlinked.
-    wait_over: trio.Event | None = None
     committing: bool = False  # its publish is putting it under its name: renames wait
     declared: str | None = None  # its writer's checksum for the bytes its next close leaves
 
@@ -262,6 +259,9 @@ class Objects:
         self.extents = ExtentPool(keep_bytes=cfg.write_buffer_bytes)
         self.writes: dict[int, WriteState] = {}
         self.releasing = 0  # last releases of written files under way
+        # Last releases waiting for their file's rename (``release_after_rename``), by inode,
+        # in the order they began: the time the wait ends, the file, its write state.
+        self._rename_waits: dict[int, tuple[float, Node, WriteState]] = {}
         self.counters = ObjectCounters()
         self.deadline_expiries = 0
         self.checksum_failures = 0
@@ -286,6 +286,7 @@ class Objects:
         self._ns: NamespaceLock
         self.io: IO
         self._detached: Detached
+        self._rename_waits_begun: trio.Event  # set as the first of them begins
 
     def start(self, nursery: trio.Nursery) -> None:
         """Begin serving in ``nursery`` (the eviction sweep, the recency writer and detached
@@ -302,6 +303,8 @@ class Objects:
         nursery.start_soon(self.sealer.run_forever)
         self._spare_wanted = trio.Event()
         nursery.start_soon(self.keep_spare_tmps_forever)
+        self._rename_waits_begun = trio.Event()
+        nursery.start_soon(self.expire_rename_waits_forever)
 
     def shutdown(self) -> None:
         """Make the directories only the index has, persist the last reads' recency, drop the
@@ -704,8 +707,8 @@ class Objects:
         """Publish a closed file under the name its rename gave it, unless its RELEASE did
         (then it fails if that publish failed). The rename counted itself in
         ``closed.renaming`` as it gave the name (the name is final: the publish seals the file
-        in the trip that places it); a release waiting for the rename (``_await_rename``) goes
-        on once this ends, with nothing left to publish."""
+        in the trip that places it); a last release waiting for the rename
+        (``release_after_rename``) ends with it, with nothing left to publish."""
         try:
             async with closed.lock:
                 if self._closed_write(node) is closed:
@@ -755,13 +758,6 @@ class Objects:
         if closed is not None:
             closed.renaming += 1  # before its RELEASE's publish begins, as a rule: sealed as placed
         return node, closed
-
-    def _end_rename_wait(self, node: Node) -> None:
-        """A release that waits for the file's rename (``_await_rename``) goes on: the file
-        was renamed (and the rename's publish ended), or unlinked (no rename will come)."""
-        ws = self.writes.get(node.ino)
-        if ws is not None and ws.wait_over is not None:
-            ws.wait_over.set()
 
     def _renames_in_memory(self, node: Node, target: Node | None, new_parent: Node) -> bool:
         """Whether a rename of ``node`` changes only the index: a file not on the backing store
@@ -1194,48 +1190,94 @@ class Objects:
     async def release_writer(self, node: Node) -> None:
         """A writer's last descriptor went (RELEASE); the last writer publishes."""
         ws = self.writes.get(node.ino)
-        if ws is None:
+        if ws is None or self.release_after_rename(node):
             return
         self.releasing += 1
+        await self._last_release(node, ws)
+
+    def release_after_rename(self, node: Node) -> bool:
+        """Give a store's temp file (``vllm_layout.is_store_temp``), closed and not renamed
+        yet, ``--rename-wait`` for the rename that follows its close: its last release ends
+        now, and what it has to do waits (``_rename_waits``). That rename names the file in
+        memory and publishes it under the chunk's name in one trip (``_publish_closed``), at
+        whose end the release finds nothing left to do (``_released_in_memory``); an unlink,
+        or the wait's end (``expire_rename_waits_forever``), finishes the release as any
+        other. False, and nothing done, for any other release: its file is published at once
+        (a reader may open it under the name it has).
+
+        Published at once, the temp file took two trips under its own name (seal, place) and
+        the rename a third to move it, waiting on the last two, alone on the namespace lock
+        and, in the kernel, holding its directory's lock. With 16 threads storing into one
+        directory, most renames came after the release had begun (docs/benchmarks.md,
+        session 19). Waiting without a task keeps the store's RELEASE out of its rename's way:
+        the kernel session answers it in its receive loop."""
+        ws = self.writes.get(node.ino)
+        wait = self.cfg.rename_wait
+        if ws is None or not wait or ws.writers != 1 or ws.renaming:
+            return False
+        if node.on_backing or not node.attached or not vllm_layout.is_store_temp(node.name):
+            return False
+        if self._closed_write(node) is not ws:
+            return False
+        self.releasing += 1
+        if not self._rename_waits:
+            self._rename_waits_begun.set()
+        self._rename_waits[node.ino] = (trio.current_time() + wait, node, ws)
+        return True
+
+    async def expire_rename_waits_forever(self) -> None:
+        """Finish the last releases whose wait for a rename ran out (``release_after_rename``):
+        their files are published under the names they have. The waits end in the order they
+        began (one ``--rename-wait`` each)."""
+        while True:
+            if not self._rename_waits:
+                self._rename_waits_begun = trio.Event()
+                await self._rename_waits_begun.wait()
+                continue
+            deadline, node, ws = next(iter(self._rename_waits.values()))
+            if trio.current_time() < deadline:
+                await trio.sleep_until(deadline)
+                continue
+            del self._rename_waits[node.ino]
+            self._end_release(node, ws)
+
+    def _end_rename_wait(self, node: Node) -> None:
+        """A last release that waits for the file's rename (``release_after_rename``) is
+        finished: the file was renamed (and the rename's publish ended), or unlinked (no
+        rename will come)."""
+        waiting = self._rename_waits.pop(node.ino, None)
+        if waiting is not None:
+            self._end_release(node, waiting[2])
+
+    def _end_release(self, node: Node, ws: WriteState) -> None:
+        """What a last release left to its file's rename: done from memory where nothing is
+        left to publish; else in the background."""
+        if self._released_in_memory(node, ws):
+            self.releasing -= 1
+            self.index.release_if_unused(node)
+        else:
+            self.start_detached(partial(self._last_release, node, ws, forget=True))
+
+    async def _last_release(self, node: Node, ws: WriteState, forget: bool = False) -> None:
+        """A writer's last release, counted in ``releasing`` (uncounted here). ``forget``: the
+        kernel's RELEASE was answered before (``release_after_rename``): the index may drop the
+        node once it ends."""
         try:
-            await self._await_rename(node, ws)
-            if self._released_in_memory(node, ws):
-                return
-            await self.bounded(partial(self._release_writer, node, ws))
+            if not self._released_in_memory(node, ws):
+                await self.bounded(partial(self._release_writer, node, ws))
         except OSError as err:
             # A failed publish was counted and logged where it failed; past the deadline (which
             # logged that) it goes on in the background.
             log.debug("last release of %s: %s", self._name(node), err)
         finally:
             self.releasing -= 1
-
-    async def _await_rename(self, node: Node, ws: WriteState) -> None:
-        """Give a store's temp file (``vllm_layout.is_store_temp``), closed and not renamed
-        yet, ``--rename-wait`` for the rename that follows its close: that rename names it in
-        memory and publishes it under the chunk's name in one trip (``_publish_closed``); the
-        wait ends when that publish has, and this release finds nothing left to do
-        (``_released_in_memory``). An unlink ends the wait too. Any other file is published at
-        once: a reader may open it under the name it has.
-
-        Published at once, the temp file took two trips under its own name (seal, place) and
-        the rename a third to move it, waiting on the last two, alone on the namespace lock
-        and, in the kernel, holding its directory's lock. With 16 threads storing into one
-        directory, most renames came after the release had begun (docs/benchmarks.md,
-        session 19)."""
-        wait = self.cfg.rename_wait
-        if not wait or ws.writers != 1 or ws.renaming or node.on_backing or not node.attached:
-            return
-        if not vllm_layout.is_store_temp(node.name) or self._closed_write(node) is not ws:
-            return
-        ws.wait_over = trio.Event()
-        with trio.move_on_after(wait):
-            await ws.wait_over.wait()
-        ws.wait_over = None
+            if forget:
+                self.index.release_if_unused(node)
 
     def _released_in_memory(self, node: Node, ws: WriteState) -> bool:
         """A last release with nothing to publish (a store's temp file its rename published
-        while the release waited, ``_await_rename``): the write state goes at once, without the
-        task and the lock ``_release_writer`` takes. False for any other release."""
+        while the release waited, ``release_after_rename``): the write state goes at once,
+        without the task and the lock ``_release_writer`` takes. False for any other release."""
         if ws.writers != 1 or ws.dirty or ws.prepared is not None or ws.lock.locked():
             return False
         if self._written_after_rename(ws):

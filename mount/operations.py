@@ -79,7 +79,7 @@ class KvfsOperations(NameRequests):
         self.getattr_now = self.metrics.timed_now("getattr", self._getattr)
         self.getxattr_now = self.metrics.timed_now("getxattr", self._getxattr)
         self.open_now = self.metrics.timed_now("open", self._reopen)
-        self.release_now = self.metrics.timed_now("release", self._release_reader)
+        self.release_now = self.metrics.timed_now("release", self._release_now)
         self.create_now = self.metrics.timed_now("create", self._create_now)
         self.flush_now = self.metrics.timed_now("flush", self._flush_now)
         self.rename_now = self.metrics.timed_now("rename", self._rename_now)
@@ -323,11 +323,14 @@ class KvfsOperations(NameRequests):
             await self.objects.release_writer(node)
         self.index.release_if_unused(node)
 
-    def _release_reader(self, fh: int) -> None:
+    def _release_now(self, fh: int) -> None:
         """RELEASE from memory, in the kernel session's receive loop: a reader's handle that
-        the daemon served nothing through; NeedsIO for any other."""
+        the daemon served nothing through, or a store's temp file whose last release waits
+        for its rename (``Objects.release_after_rename``); NeedsIO for any other."""
         handle = self.handles.get_file(fh)
-        if handle is None or handle.writable or handle.content is not None:
+        if handle is None or handle.content is not None:
+            raise NeedsIO()
+        if handle.writable and not self.objects.release_after_rename(handle.node):
             raise NeedsIO()
         self.handles.close_file(fh)
         self._drop_reader(handle)

@@ -135,6 +135,39 @@ def test_a_closed_temp_file_waits_for_its_rename_and_is_published_under_the_new_
         mount.stop()
 
 
+def test_a_closed_temp_file_never_renamed_is_published_under_its_own_name_when_the_wait_ends(
+    tmp_path: Path,
+) -> None:
+    """A store whose rename never comes (its engine went): the last release, answered at once,
+    publishes the temp file under its own name once ``--rename-wait`` is over. An unmount does
+    not wait that out (the next mount removes an engine's temp files found on the backing
+    store as orphans: what waits for its rename then is dropped)."""
+    mount = make_mount(tmp_path, "--rename-wait", "0.5").start()
+    try:
+        tmp = mount.path / "c.bin_1.tmp"
+        tmp.write_bytes(b"c" * CHUNK)
+        assert os.getxattr(mount.path, "user.kvfs.unpublished") != b"0"  # it waits
+        mount.settle(timeout=5)
+        assert (mount.backing / tmp.name).read_bytes() == b"c" * CHUNK
+        assert publishes(mount) == 1
+        mount.stop()
+        mount.options = (*mount.options[:-1], "10")  # (--rename-wait)
+        mount.start()
+        assert not tmp.exists() and not (mount.backing / tmp.name).exists()  # an orphan
+        again = mount.path / "d.bin_2.tmp"
+        again.write_bytes(b"d" * CHUNK)
+        time.sleep(0.3)  # its RELEASE came, and was answered: the wait holds no request
+        assert os.getxattr(mount.path, "user.kvfs.unpublished") != b"0"
+        began = time.monotonic()
+        mount.stop()
+        assert time.monotonic() - began < 5  # (it waited the 10 s out before)
+        mount.start()
+        assert not again.exists() and sorted(os.listdir(mount.backing)) == [".kvfs"]
+        assert publishes(mount) == 0
+    finally:
+        mount.stop()
+
+
 @contextmanager
 def released_later(fd: int) -> Iterator[None]:
     """``fd`` closed (a FLUSH) while a dup keeps the file open: its RELEASE comes only as the
