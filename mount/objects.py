@@ -1239,7 +1239,10 @@ class Objects:
                 await trio.sleep_until(deadline)
                 continue
             del self._rename_waits[node.ino]
-            self._end_release(node, ws)
+            try:
+                self._end_release(node, ws)
+            except Exception:  # a bug: logged, and the other waits still end
+                log.exception("the last release of %s failed", self._name(node))
 
     def _end_rename_wait(self, node: Node) -> None:
         """A last release that waits for the file's rename (``release_after_rename``) is

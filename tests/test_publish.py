@@ -142,7 +142,7 @@ def test_a_closed_temp_file_never_renamed_is_published_under_its_own_name_when_t
     publishes the temp file under its own name once ``--rename-wait`` is over. An unmount does
     not wait that out (the next mount removes an engine's temp files found on the backing
     store as orphans: what waits for its rename then is dropped)."""
-    mount = make_mount(tmp_path, "--rename-wait", "0.5").start()
+    mount = make_mount(tmp_path, "--rename-wait", "1").start()
     try:
         tmp = mount.path / "c.bin_1.tmp"
         tmp.write_bytes(b"c" * CHUNK)
