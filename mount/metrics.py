@@ -274,6 +274,12 @@ def _activity(s: Report) -> Iterator[Metric]:
         "kvfs_read_bytes", "Bytes read from the backing store and verified", counters["bytes_read"]
     )
     yield _counter("kvfs_publishes", "Files published (written whole)", counters["publishes"])
+    yield _counter(
+        "kvfs_renames_missed",
+        "Stores' temp files whose rename did not come within --rename-wait (published under "
+        "their temp names)",
+        counters["renames_missed"],
+    )
     yield _counter("kvfs_written_bytes", "Bytes published", counters["bytes_written"])
     yield _counter(
         "kvfs_publish_conflicts",

@@ -133,6 +133,9 @@ class ObjectCounters:
     quarantined: int = 0  # files that failed their checksum, moved to .kvfs/quarantine
     quarantined_bytes: int = 0
     checksums_declared: int = 0  # files published with the checksum their writer declared
+    # store temp files whose rename did not come within --rename-wait (published under their
+    # temp names: an engine that died between close and rename, or a wait set too short)
+    renames_missed: int = 0
     # --shared: names another host published that a lookup found on the backing directory;
     # files another host removed that this index still had; publishes that found another
     # host's file with other bytes under their name (that file kept, ours dropped).
@@ -1239,6 +1242,7 @@ class Objects:
                 await trio.sleep_until(deadline)
                 continue
             del self._rename_waits[node.ino]
+            self.counters.renames_missed += 1
             try:
                 self._end_release(node, ws)
             except Exception:  # a bug: logged, and the other waits still end

@@ -127,7 +127,7 @@ def test_a_closed_temp_file_waits_for_its_rename_and_is_published_under_the_new_
         os.rename(again, final)
         assert (mount.backing / final.name).read_bytes() == b"e" * CHUNK
         mount.settle(timeout=5)  # the release ended with that rename too
-        assert publishes(mount) == 2
+        assert publishes(mount) == 2 and mount.usage()["counters"]["renames_missed"] == 0
         mount.kill()
         mount.start()
         assert final.read_bytes() == b"e" * CHUNK
@@ -149,7 +149,7 @@ def test_a_closed_temp_file_never_renamed_is_published_under_its_own_name_when_t
         assert os.getxattr(mount.path, "user.kvfs.unpublished") != b"0"  # it waits
         mount.settle(timeout=5)
         assert (mount.backing / tmp.name).read_bytes() == b"c" * CHUNK
-        assert publishes(mount) == 1
+        assert publishes(mount) == 1 and mount.usage()["counters"]["renames_missed"] == 1
         mount.stop()
         mount.options = (*mount.options[:-1], "10")  # (--rename-wait)
         mount.start()
