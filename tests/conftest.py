@@ -92,6 +92,16 @@ class Mount:
         assert not mountctl.mount_stack(str(self.path)), "kill left a mount behind"
 
 
+def flip_byte(path: str | Path, offset: int = 1000) -> None:
+    """Change one byte of a file behind the mount's back (a disk's corruption)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        (byte,) = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte ^ 0xFF]), offset)
+    finally:
+        os.close(fd)
+
+
 def force_unmount(path: Path) -> None:
     """The last resort: stop supervisors, detach every mount on ``path``, top first."""
     for pid in mountctl.supervisors(str(path)):

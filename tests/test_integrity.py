@@ -12,19 +12,10 @@ import numpy as np
 import pytest
 
 from tests import vllm_tier
-from tests.conftest import Mount, kvfs
+from tests.conftest import Mount, flip_byte, kvfs
 from tools import vllm_io
 
 CHUNK = 256 << 10
-
-
-def flip_byte(path: str, offset: int = 1000) -> None:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        (byte,) = os.pread(fd, 1, offset)
-        os.pwrite(fd, bytes([byte ^ 0xFF]), offset)
-    finally:
-        os.close(fd)
 
 
 def test_a_flipped_byte_fails_with_eio_is_quarantined_and_then_misses(fresh_mount: Mount) -> None:

@@ -24,8 +24,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from kvfs import __version__
 from kvfs.config import daemon_log
 from kvfs.mount.metrics import Latencies
-from tests.conftest import Mount, free_port, kvfs, make_mount, small_filesystem
-from tests.test_integrity import flip_byte
+from tests.conftest import Mount, flip_byte, free_port, kvfs, make_mount, small_filesystem
 from tools import vllm_io
 
 CHUNK = 128 << 10

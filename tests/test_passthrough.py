@@ -21,8 +21,7 @@ from kvfs.mount.objects import CHECKSUM_LATER_MIN, SPARE_TMPS
 from kvfs.mount.scrub import FILE_COST
 from kvfs.mount.sealer import QUIET_SECONDS
 from tests import vllm_tier
-from tests.conftest import Mount, drop_dentries, make_mount, small_filesystem
-from tests.test_integrity import flip_byte
+from tests.conftest import Mount, drop_dentries, flip_byte, make_mount, small_filesystem
 from tools import vllm_io
 
 ROW = 256 << 10

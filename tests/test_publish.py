@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, make_mount
-from tests.test_integrity import flip_byte
+from tests.conftest import Mount, flip_byte, make_mount
 from tools import vllm_io
 
 CHUNK = 256 << 10
