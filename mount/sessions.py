@@ -1,10 +1,13 @@
 """Which FUSE session serves a mount: pyfuse3 (libfuse) or kvfs's own kernel session.
 
 Both drive the same operations and object layer. The kernel session speaks the protocol on
-/dev/fuse itself, so it can ask for FUSE_PASSTHROUGH: published chunks are then read by the
-kernel straight from their backing files. That is only worth it where the daemon need not see
-every read (``--verify first-read``), and only safe where the backing store cannot hang: a
-passthrough read of a hung NFS server hangs in the kernel, past any deadline the daemon keeps.
+/dev/fuse itself, so it can ask for FUSE_PASSTHROUGH: the kernel writes new chunks into their
+backing files itself and, where the daemon need not see every read (``--verify
+first-read``), reads published chunks straight from theirs. It also answers first-time
+misses without a thread hop and uses less CPU a byte served (docs/benchmarks.md, session
+30): ``auto`` takes it wherever it may, as root on a backing store that cannot hang (a
+passthrough write or read of a hung NFS server hangs in the kernel, past any deadline the
+daemon keeps).
 """
 
 from __future__ import annotations
@@ -53,8 +56,6 @@ def choose(cfg: MountConfig) -> tuple[FuseSession, str]:
             why = f"asked for; backing store on {kind}: no passthrough, reads keep the deadline"
             return KernelSession(passthrough=False, io_uring=io_uring), why
         return KernelSession(io_uring=io_uring), "asked for"
-    if cfg.verify == "every-read":
-        return pyfuse3, "--verify every-read: the daemon serves every read, none passes through"
     if os.geteuid() != 0:
         return pyfuse3, "not root: a /dev/fuse mount and passthrough need CAP_SYS_ADMIN"
     kind = filesystem_type(cfg.backing)
@@ -107,4 +108,6 @@ def describe(session: FuseSession, cfg: MountConfig) -> str:
         return "reads pass through to the backing files once a chunk is verified"
     if cfg.verify == "first-read":
         return "reads served by the daemon (no passthrough from this kernel or session)"
+    if passthrough(session):
+        return "new chunks written in passthrough; every read served by the daemon and verified"
     return "every read served by the daemon and verified"

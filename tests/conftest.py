@@ -143,14 +143,13 @@ def wait_gone(pid: int, timeout: float = 30) -> None:
     raise AssertionError(f"process {pid} still running after {timeout}s")
 
 
-# The mount tests run once per FUSE session: `make test` runs them again with
-# KVFS_TEST_SESSION=kernel (kvfs's own session, on /dev/fuse) after the default run, and a third
-# time with KVFS_TEST_IO_URING=auto as well (the same session over FUSE-over-io_uring, with the
-# kernel's fuse.enable_uring set for that run).
-SESSION_OPTIONS: tuple[str, ...] = (
-    ("--session", os.environ["KVFS_TEST_SESSION"]) if "KVFS_TEST_SESSION" in os.environ else ()
-)
-if SESSION_OPTIONS:
+# The mount tests run once per FUSE session: the default run over pyfuse3 (libfuse), then
+# `make test` runs them again with KVFS_TEST_SESSION=kernel (kvfs's own session, on /dev/fuse,
+# which `--session auto` picks for root), and a third time with KVFS_TEST_IO_URING=auto as well
+# (the same session over FUSE-over-io_uring, with the kernel's fuse.enable_uring set for that
+# run).
+SESSION_OPTIONS: tuple[str, ...] = ("--session", os.environ.get("KVFS_TEST_SESSION", "pyfuse3"))
+if SESSION_OPTIONS[1] == "kernel":
     SESSION_OPTIONS += ("--io-uring", os.environ.get("KVFS_TEST_IO_URING", "off"))
 if os.environ.get("KVFS_TEST_IO_URING") == "auto":  # a run over io_uring must not test /dev/fuse
     with open("/sys/module/fuse/parameters/enable_uring") as _f:

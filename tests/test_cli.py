@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes.util
+import errno
 import os
 import socket
 import subprocess
@@ -14,7 +15,9 @@ import pytest
 
 from kvfs import mountctl
 from kvfs.cli import build_parser
-from tests.conftest import Mount, kvfs, make_mount
+from kvfs.config import daemon_log
+from tests.conftest import Mount, flip_byte, kvfs, make_mount
+from tools import vllm_io
 
 
 def assert_refused(result: subprocess.CompletedProcess[str], words: str, mnt: Path) -> None:
@@ -36,6 +39,32 @@ def test_mount_returns_once_the_mount_answers_and_umount_waits_for_the_daemon(
         kvfs("umount", str(mount.path))
         assert not mountctl.running(mount.pid)
         assert (mount.backing / "f").read_bytes() == b"at once"
+    finally:
+        mount.stop()
+
+
+def test_the_default_mount_as_root_is_kvfs_own_session_and_verifies_every_read(
+    tmp_path: Path,
+) -> None:
+    """`kvfs mount MNT` as root on a local backing directory: kvfs's own session (the kernel
+    writes new chunks into their backing files itself; misses answered without a thread hop)
+    with the default --verify every-read (every read served and checked: a byte changed on
+    the disk behind the mount is EIO, never served)."""
+    mount = make_mount(tmp_path)
+    kvfs("mount", str(mount.path), "--backing", str(mount.backing))
+    try:
+        mount.pid = int(os.getxattr(mount.path, "user.kvfs.pid"))
+        session = mount.usage()["session"]
+        assert session["name"] == "kernel" and session["passthrough"], session
+        assert "session: kernel (root, backing store on" in daemon_log(mount.path).read_text()
+        path = vllm_io.chunk_path(str(mount.path), 1)
+        chunk = vllm_io.chunk(1, 1 << 20)  # (aligned, for O_DIRECT)
+        assert vllm_io.store(path, chunk, o_direct=True)
+        assert vllm_io.load(path, 1 << 20, o_direct=True) == chunk[:]
+        flip_byte(mount.on_backing(path))
+        with pytest.raises(OSError) as err:
+            vllm_io.load(path, 1 << 20, o_direct=True)
+        assert err.value.errno == errno.EIO
     finally:
         mount.stop()
 

@@ -345,9 +345,11 @@ def main() -> int:
 # How each session is mounted: pyfuse3 as today; kvfs's own session with passthrough reads
 # (its O_DIRECT stores checksummed after the publish, when the writers pause: the read-back
 # then competes with the loads measured next); and the same with each publish reading its
-# file back before it returns (--checksum-backlog 0).
+# file back before it returns (--checksum-backlog 0). kernel-every-read: what `kvfs mount`
+# gives root by default (every read served and verified, stores in passthrough).
 SESSIONS = {
     "pyfuse3": ("--session", "pyfuse3"),
+    "kernel-every-read": ("--session", "kernel", "--io-uring", "off"),
     "kernel": ("--session", "kernel", "--verify", "first-read", "--io-uring", "off"),
     # the same over FUSE-over-io_uring (offered to this mount for the run)
     "kernel-io-uring": ("--session", "kernel", "--verify", "first-read", "--io-uring", "auto"),
