@@ -42,7 +42,9 @@ GUARD_SOURCE = "kvfs-guard"  # the guard's name in mountinfo, how we know it is 
 GUARD_DATA = b"size=4k,mode=0555"
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MNT_DETACH = 2
-DEAD = (errno.ENOTCONN, errno.ECONNABORTED)  # what stat says of a FUSE mount with no daemon
+# What a FUSE mount with no daemon answers: ENOTCONN, ECONNABORTED for a request the kernel
+# had queued as the daemon died, ECANCELED (over FUSE-over-io_uring) for one its ring had taken.
+DEAD = (errno.ENOTCONN, errno.ECONNABORTED, errno.ECANCELED)
 # A daemon restarted by the supervisor waits this long first, doubling after each quick death,
 # up to the cap; one that served for STABLE_AFTER seconds resets the wait.
 RESTART_DELAY, RESTART_DELAY_MAX, STABLE_AFTER = 0.1, 30.0, 60.0

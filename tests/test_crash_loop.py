@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import Mount
+from tests.conftest import SESSION_OPTIONS, Mount
 from tools import crash_loop, vllm_io
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def test_a_kill_9_loop_leaves_no_partial_chunk_and_writes_nothing_outside_the_ba
     crash) and in the mount (after the remount) is whole and right, every store a writer saw
     succeed before the daemon died is there (but those closed as it died, which a cache may
     drop), none succeeded after, and the directory under the mountpoint stays empty."""
-    report = crash_loop.run(rounds=15, seed=15, workdir=tmp_path)
+    report = crash_loop.run(rounds=15, seed=15, workdir=tmp_path, mount_options=SESSION_OPTIONS)
     orders = {r.order for r in report.per_round}
     assert orders == {"daemon_first", "writers_first"}  # seed 15 draws 7 and 8 of them
     assert report.stores_acked > 100 and report.chunks_verified > report.stores_acked

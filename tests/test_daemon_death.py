@@ -19,11 +19,8 @@ from tools import vllm_io
 
 CHUNK = 64 << 10
 KEYS = range(1, 6)
-# ENOTCONN, or ECONNABORTED for a request the kernel had queued as the daemon died; EROFS from the
-# guard once the dead mount is gone.
-# (ECANCELED: over FUSE-over-io_uring, the kernel's answer to a request its dead daemon's ring
-# queue had taken)
-DEAD = (errno.ENOTCONN, errno.ECONNABORTED, errno.ECANCELED)
+# What a dead mount answers (mountctl.DEAD); EROFS from the guard once the dead mount is gone.
+DEAD = mountctl.DEAD
 REFUSED = (*DEAD, errno.EROFS)
 
 

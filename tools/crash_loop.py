@@ -37,6 +37,7 @@ import os
 import random
 import re
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -44,7 +45,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -356,8 +357,9 @@ class Report:
 class CrashLoop:
     """One mountpoint and one backing directory, mounted, crashed and checked round after round."""
 
-    def __init__(self, base: Path, seed: int) -> None:
+    def __init__(self, base: Path, seed: int, mount_options: Sequence[str] = ()) -> None:
         self.mnt, self.backing = base / "mnt", base / "backing"
+        self.mount_options = tuple(mount_options)
         self.mnt.mkdir()
         self.backing.mkdir()
         # The directory under the mountpoint, as it is before anything is mounted on it.
@@ -383,7 +385,7 @@ class CrashLoop:
     def mount(self) -> None:
         args = ["mount", str(self.mnt), "--backing", str(self.backing)]
         done = subprocess.run(
-            [*KVFS, *args, "--capacity", str(CAPACITY)],
+            [*KVFS, *args, "--capacity", str(CAPACITY), *self.mount_options],
             capture_output=True,
             text=True,
             timeout=120,
@@ -398,7 +400,7 @@ class CrashLoop:
         try:
             os.stat(self.mnt)
         except OSError as err:
-            if err.errno in (errno.ENOTCONN, errno.ECONNABORTED):  # a dead FUSE connection
+            if err.errno in mountctl.DEAD:  # a dead FUSE connection
                 return True
             raise
         return "fuse.kvfs" in mounts_at(str(self.mnt))
@@ -619,14 +621,19 @@ def _workdir(base: Path | None) -> Iterator[Path]:
 
 
 def run(
-    rounds: int, seed: int, workdir: Path | None = None, say: Callable[[str], None] | None = None
+    rounds: int,
+    seed: int,
+    workdir: Path | None = None,
+    say: Callable[[str], None] | None = None,
+    mount_options: Sequence[str] = (),
 ) -> Report:
-    """Run the loop; never leaves a mount or a process of its own behind."""
+    """Run the loop (``kvfs mount`` given ``mount_options`` too, a session for one); never
+    leaves a mount or a process of its own behind."""
     say = say or (lambda line: None)
     started = time.monotonic()
     per_round: list[RoundResult] = []
     with _workdir(workdir) as base:
-        loop = CrashLoop(base, seed)
+        loop = CrashLoop(base, seed, mount_options)
         try:
             loop.mount()
             for round_no in range(rounds):
@@ -675,9 +682,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, help="where the temp directory goes (/tmp)")
     parser.add_argument("--json", action="store_true", help="the report as JSON on stdout")
+    parser.add_argument(
+        "--mount-options", default="", help="more kvfs mount options, e.g. '--session kernel'"
+    )
     args = parser.parse_args(argv)
     report = run(
-        args.rounds, args.seed, args.workdir, say=lambda line: print(line, file=sys.stderr)
+        args.rounds,
+        args.seed,
+        args.workdir,
+        say=lambda line: print(line, file=sys.stderr),
+        mount_options=shlex.split(args.mount_options),
     )
     if args.json:
         print(json.dumps(asdict(report), indent=2))
