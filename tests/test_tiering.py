@@ -117,7 +117,9 @@ def test_a_request_partly_in_host_partly_on_the_mount_partly_nowhere(
     first = h.conn.lookup(keys, "req")
     assert (first.hits, first.retry) == (2, True)  # the mount's answer comes next step
     hits, steps = h.settle(keys)
-    assert hits == 4 and 2 <= steps <= 10  # lookup, then promotion, then ready
+    # Lookup, then promotion, then ready: the promotion's reads from the mount take as many
+    # 5 ms steps as a loaded machine makes them (52 under a dd and a busy loop beside it).
+    assert hits == 4 and steps >= 2
     sources = h.load(keys[:4], first_block=12)
     assert sources == ("host", "host", "fs", "fs")
     assert h.loaded_equal(0, 12, 4 * BPC)
@@ -365,16 +367,18 @@ def test_kv_events_reach_a_subscriber_in_vllms_wire_format(harness_factory: Any)
 
 
 def test_a_lookup_that_timed_out_is_not_waited_for_again(harness_factory: Any) -> None:
+    timeout = 0.2
     h = harness_factory(
         cpu_bytes_to_use=64 << 20,
-        lookup_timeout_s=0.2,
+        lookup_timeout_s=timeout,
         secondary_tiers=[{"type": "HangingTier", "module_path": "tests.oot_tiers"}],
     )
     keys = h.keys(1)
     h.settle(keys)
     started = time.monotonic()
     found = h.conn.lookup(keys, "req")  # a later request for the same chunk
-    assert (found.hits, found.retry) == (0, False) and time.monotonic() - started < 0.1
+    # Answered in less than one lookup timeout: it did not wait for the hung tier again.
+    assert (found.hits, found.retry) == (0, False) and time.monotonic() - started < timeout
 
 
 def test_a_prefix_longer_than_the_host_tier_ends_where_it_is_full(harness_factory: Any) -> None:
