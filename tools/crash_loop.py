@@ -246,8 +246,10 @@ def unpublished(top: Path, keys: Iterable[int], size: int = CHUNK) -> set[int]:
     found: set[int] = set()
     for dirpath, _dirnames, filenames in os.walk(top):
         for name in filenames:
+            if not wanted:
+                return found
             path = os.path.join(dirpath, name)
-            if not wanted or FINAL.match(name) or os.lstat(path).st_size != size:
+            if FINAL.match(name) or os.lstat(path).st_size != size:
                 continue
             with open(path, "rb") as f:
                 key = wanted.pop(f.read(), None)
