@@ -157,10 +157,10 @@ class MountConfig:
     # Hold a CPU latency request (kvfs/cpu_latency.py) of this many microseconds while the
     # mount is served, so that an answer does not wait for an idle CPU to wake (None: off).
     cpu_latency_us: int | None = None
-    # "every-read": every read is served by the daemon and verified. "first-read": a chunk is
-    # verified once (at its publish, or its first read), then read in passthrough where the
-    # session has it.
-    verify: str = "every-read"
+    # "first-read": a chunk is verified once (at its publish, or its first read), then read in
+    # passthrough where the session has it, while its backing file stays as verified (the
+    # scrub checks it again). "every-read": every read is served by the daemon and verified.
+    verify: str = "first-read"
     # The background scrub re-reads every published file at this many bytes per second and
     # quarantines what fails its checksum (0: off); it is what checks chunks read in passthrough.
     scrub_bytes_per_second: int = 16 << 20

@@ -58,7 +58,7 @@ class Node:
         "tree_bytes",
         "tree_files",
         "uid",
-        "verified",
+        "verified_as",
         "version",
     )
 
@@ -79,9 +79,11 @@ class Node:
         # Published again in place since the kernel may have cached its pages: readers then
         # bypass the page cache, which per inode cannot hold two versions.
         self.rewritten = False
-        # Its bytes were checked since the daemon started (its own publish, or a read that
-        # matched the checksum): --verify first-read lets the kernel read it in passthrough.
-        self.verified = False
+        # Its backing file as its bytes were last checked (its inode, size and mtime:
+        # ``store.file_stamp``) since the daemon started: at its own publish, a read that matched
+        # the checksum, or a scrub. --verify first-read lets the kernel read it in passthrough
+        # while the file stays so. None: not checked yet.
+        self.verified_as: tuple[int, int, int] | None = None
         # Bumped as each publish of new bytes under its name begins: a reader's open that saw
         # it change may hold another version than the one it read the checksum of.
         self.version = 0

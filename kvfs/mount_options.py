@@ -249,8 +249,9 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "verify",
-        "every-read: the daemon serves and checks every read; first-read: a chunk is checked "
-        "at its publish or first read, then read in passthrough where the session has it",
+        "first-read: a chunk is checked at its publish or first read, then read in "
+        "passthrough where the session has it until its backing file changes (the scrub "
+        "checks it again); every-read: the daemon serves and checks every read",
         field="verify",
         choices=VERIFY_MODES,
     ),

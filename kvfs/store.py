@@ -658,6 +658,16 @@ def _give_attrs(fd: int, mode: int, uid: int, gid: int, times_ns: tuple[int, int
     os.utime(fd, ns=times_ns)
 
 
+def file_stamp(file: int | bytes) -> tuple[int, int, int]:
+    """What a write to a file (open, or at a path) changes: its inode, size and mtime (a
+    write through the mount or around it; not the xattrs kvfs keeps on it, which move only the
+    ctime). After a stat the filesystem's next timestamp is fine-grained (Linux 6.13+), so a
+    write right after this call still moves the mtime. A bit that rots on the disk changes
+    nothing: the scrub's."""
+    st = os.stat(file)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def _version_of(st: os.stat_result) -> tuple[int, int, int]:
     return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 

@@ -58,7 +58,7 @@ from kvfs.mount.bridge import (
 from kvfs.mount.eviction import EvictionReason, Evictor
 from kvfs.mount.sealer import Sealer
 from kvfs.mount.share import Share
-from kvfs.store import BackingStore, Found, Published, Sealed, fill_times
+from kvfs.store import BackingStore, Found, Published, Sealed, file_stamp, fill_times
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -126,6 +126,7 @@ class ObjectCounters:
 
     reads: int = 0  # published files opened for reading
     cached_opens: int = 0  # of those, backing files opened in the loop (``open_read_now``)
+    changed_around: int = 0  # verified files found changed at a passthrough open: checked again
     bytes_read: int = 0  # read from the backing store and verified
     publishes: int = 0  # files published (written whole)
     bytes_written: int = 0  # bytes published
@@ -1543,7 +1544,8 @@ class Objects:
                 # wait where a retired file's do (`_retire`), uncharged, until the kernel
                 # forgets it (`_released`).
                 await self.io.read(self.store.rename, pub.tmp, self.store.unlinked_path(node.ino))
-                node.on_backing, node.checksum, node.verified = True, pub.checksum, True
+                node.on_backing, node.checksum = True, pub.checksum
+                node.verified_as = self._published_as(ws)
                 ws.dirty = False
             else:
                 self._discard_tmp(ws, prepared)  # the room held: released by _publish
@@ -1569,7 +1571,7 @@ class Objects:
         node.on_backing = True
         node.rewritten = node.rewritten or rewritten
         node.checksum = pub.checksum
-        node.verified = True  # checksummed by this daemon as it published
+        node.verified_as = self._published_as(ws)
         if not node.hits:  # never read: as recent as its write (what a restart sees)
             node.last_read_ns = node.mtime_ns
         if namespaces.is_namespace_config(node) and node.parent is not None:
@@ -1583,6 +1585,14 @@ class Objects:
         self.counters.bytes_written += pub.size
         self.listener.stored(node)
         return rewritten, prepared
+
+    @staticmethod
+    def _published_as(ws: WriteState) -> tuple[int, int, int] | None:
+        """A file this daemon just published is trusted as it stands (checksummed, or written
+        by the kernel for its writers and sealed later): a passthrough file's stamp. None for
+        one written from the buffer (no passthrough then: its first passthrough open checks
+        it)."""
+        return None if ws.file is None else file_stamp(ws.file.fd)
 
     async def _seal_to_place(
         self, node: Node, ws: WriteState, prepared: Prepared, with_checksum: bool
@@ -1779,7 +1789,30 @@ class Objects:
         if node.passthrough_opens:
             return True
         first_read = self.cfg.verify == "first-read"
-        return first_read and node.verified and not node.rewritten and node.open_count == 0
+        trusted = node.verified_as is not None
+        return first_read and trusted and not node.rewritten and node.open_count == 0
+
+    def still_verified(self, node: Node, file: int | bytes) -> None:
+        """At a reader's open in passthrough, of the backing ``file`` (open, or its path): one
+        changed since it was verified (written around the mount: another process on the backing
+        directory) is no longer trusted, so that open is served and checks it."""
+        if node.verified_as is not None and file_stamp(file) != node.verified_as:
+            node.verified_as = None
+            self.counters.changed_around += 1
+            log.warning("%s changed on the backing store since it was verified", self._name(node))
+
+    def may_pass_through_held(self, node: Node) -> bool:
+        """``may_pass_through`` for a reopen on the backing file the kernel still holds (no
+        descriptor here), checked at its path: a stat in the loop that the kernel answers from
+        its caches (the file it holds keeps its path's entries there). False while the name
+        may be moving (the open then goes the usual way)."""
+        if self._ns.locked() or self._committing(node) or not self.may_pass_through(node):
+            return False
+        try:
+            self.still_verified(node, self.store.abs(self._backing_rel(node)))
+        except OSError:  # moved or removed around the mount: opened (and checked) afresh
+            return False
+        return self.may_pass_through(node)
 
     def size(self, node: Node) -> tuple[int, int]:
         """Size and 512-byte blocks to show: the buffer's while it differs from the published,
@@ -1808,6 +1841,8 @@ class Objects:
             partial(self._open_backing, node, not passthrough),
             undo=lambda late: self.close_later(late.fd),
         )
+        if passthrough:
+            self.still_verified(node, reader.fd)
         self.count_read(node)
         return reader
 
@@ -1824,6 +1859,8 @@ class Objects:
         fd = self.store.open_reader_cached(self._backing_rel(node), not passthrough)
         if fd is None:
             raise NeedsIO()
+        if passthrough:
+            self.still_verified(node, fd)
         self.count_read(node)
         self.counters.cached_opens += 1
         return Reader(fd, node.checksum)
@@ -2026,7 +2063,7 @@ class Objects:
 
     async def _read_verified(self, node: Node, reader: Reader) -> ChunkBuffer:
         """Check against the checksum of the version opened (a newer one may be published)."""
-        expected = reader.checksum
+        expected, stamp = reader.checksum, file_stamp(reader.fd)
         try:
             data, digest = await self.io.read(
                 self.store.read_verified, reader.fd, expected, self.extents
@@ -2035,16 +2072,19 @@ class Objects:
             if node.checksum == expected:  # the version the tree serves is bad
                 await self._quarantine(node, str(err))
             raise
-        self._checked(node, expected, digest)
+        self._checked(node, expected, digest, stamp)
         return data
 
-    def _checked(self, node: Node, expected: str | None, digest: str) -> None:
+    def _checked(
+        self, node: Node, expected: str | None, digest: str, stamp: tuple[int, int, int]
+    ) -> None:
         """A version of the node read whole matched ``expected``, or had no checksum and now
-        has ``digest`` (the store keeps it with the file it read)."""
+        has ``digest`` (the store keeps it with the file it read); ``stamp``: its file's before
+        the read (a write during it makes the next passthrough open check it again)."""
         if expected is None and node.checksum is None:  # it had none: it has now
             node.checksum = digest
         if node.checksum == (expected or digest):  # the version the tree serves
-            node.verified = True
+            node.verified_as = stamp
 
     async def recheck(self, node: Node) -> tuple[int, bool] | None:
         """Read a published file again, past the page cache where the store allows, and check
@@ -2054,12 +2094,13 @@ class Objects:
         if not node.attached or not node.on_backing or node.ino in self.writes:
             return None
         reader = await self._open_backing(node)
+        stamp = file_stamp(reader.fd)
         digest, size = await self.io.read(self._recheck_and_close, reader)
         if reader.checksum is not None and digest != reader.checksum:
             if node.checksum == reader.checksum:  # the version the tree serves is bad
                 await self._quarantine(node, f"scrub: checksum {digest} != {reader.checksum}")
             return size, False
-        self._checked(node, reader.checksum, digest)
+        self._checked(node, reader.checksum, digest, stamp)
         return size, True
 
     def _recheck_and_close(self, reader: Reader) -> tuple[str, int]:

@@ -197,11 +197,13 @@ class KvfsOperations(NameRequests):
         return self._opened(handle, bool(flags & os.O_DIRECT))
 
     def _opened(self, handle: Handle, direct: bool) -> pyfuse3.FileInfo:
-        """The reply to a reader's open of the version ``handle.reader`` opened. A served
-        O_DIRECT reader's READs all come here, and none is answered before the whole version
-        is read and checked: that read starts now, while the open is answered and the reader
-        asks (a buffered reader's may be answered by the kernel's page cache)."""
+        """The reply to a reader's open of the version ``handle.reader`` opened: passed through
+        if it still may be (the open found the backing file as it was verified), else served.
+        A served O_DIRECT reader's READs all come here, and none is answered before the whole
+        version is read and checked: that read starts now, while the open is answered and the
+        reader asks (a buffered reader's may be answered by the kernel's page cache)."""
         node = handle.node
+        handle.passthrough = handle.passthrough and self.objects.may_pass_through(node)
         published = handle.reader is not None and not handle.reader.unpublished
         if published and node.parent:
             self.lookups.hit(node.parent)
@@ -237,7 +239,7 @@ class KvfsOperations(NameRequests):
         if not (
             published
             and sessions.holds_backing(self.session, node.ino)
-            and self.objects.may_pass_through(node)
+            and self.objects.may_pass_through_held(node)
         ):
             return None
         self.objects.count_read(node)

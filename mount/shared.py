@@ -39,5 +39,5 @@ def describe(index: Index, node: Node, found: Found) -> None:
     fill_times(node, st)
     node.on_backing = True
     node.checksum = found.checksum
-    node.verified = False  # checked at its first read, like any file found on the store
+    node.verified_as = None  # checked at its first read, like any file found on the store
     index.set_published(node, st.st_size, st.st_blocks)

@@ -43,13 +43,14 @@ def test_mount_returns_once_the_mount_answers_and_umount_waits_for_the_daemon(
         mount.stop()
 
 
-def test_the_default_mount_as_root_is_kvfs_own_session_and_verifies_every_read(
+def test_the_default_mount_as_root_is_kvfs_own_session_and_passes_verified_reads_through(
     tmp_path: Path,
 ) -> None:
     """`kvfs mount MNT` as root on a local backing directory: kvfs's own session (the kernel
     writes new chunks into their backing files itself; misses answered without a thread hop)
-    with the default --verify every-read (every read served and checked: a byte changed on
-    the disk behind the mount is EIO, never served)."""
+    with the default --verify first-read (the kernel reads a chunk this daemon published, or
+    verified since, straight from its backing file; one changed around the mount since is
+    served and checked at its next open: EIO, never its new bytes)."""
     mount = make_mount(tmp_path)
     kvfs("mount", str(mount.path), "--backing", str(mount.backing))
     try:
@@ -61,6 +62,7 @@ def test_the_default_mount_as_root_is_kvfs_own_session_and_verifies_every_read(
         chunk = vllm_io.chunk(1, 1 << 20)  # (aligned, for O_DIRECT)
         assert vllm_io.store(path, chunk, o_direct=True)
         assert vllm_io.load(path, 1 << 20, o_direct=True) == chunk[:]
+        assert mount.usage()["counters"].get("bytes_read", 0) == 0  # passed through
         flip_byte(mount.on_backing(path))
         with pytest.raises(OSError) as err:
             vllm_io.load(path, 1 << 20, o_direct=True)

@@ -90,6 +90,75 @@ def test_a_chunk_from_before_the_restart_is_checked_once_then_passed_through(
     assert served_bytes(passthrough_mount) == checked  # and then passed through
 
 
+def test_a_chunk_changed_around_the_mount_after_its_verification_is_checked_at_its_next_open(
+    passthrough_mount: Mount,
+) -> None:
+    """A write to a verified chunk's backing file by another process moves its mtime: the
+    next open is served and checked (EIO, quarantine) instead of passing the new bytes
+    through, whether it opens the backing file afresh or reopens the one the kernel holds."""
+    held, fresh = (vllm_io.chunk_path(str(passthrough_mount.path), k) for k in (1, 2))
+    for key, path in ((1, held), (2, fresh)):
+        vllm_io.store(path, vllm_io.chunk(key, ROW), o_direct=True)
+    passthrough_mount.settle()  # published and sealed: trusted as they stand
+    for _ in range(2):  # the second open reuses the backing file the kernel kept
+        assert vllm_io.load(held, ROW, o_direct=True) == vllm_io.chunk_bytes(1, ROW)
+    session = passthrough_mount.usage()["session"]
+    assert session["backing_reused"] >= 1 and served_bytes(passthrough_mount) == 0
+    for path in (held, fresh):
+        flip_byte(passthrough_mount.on_backing(path))
+        with pytest.raises(OSError) as err:
+            vllm_io.load(path, ROW, o_direct=path == held)
+        assert err.value.errno == errno.EIO
+        assert not os.access(path, os.F_OK)
+    usage = passthrough_mount.usage()
+    assert usage["counters"]["changed_around"] == 2 and usage["checksum_failures"] == 2
+    assert len(os.listdir(passthrough_mount.backing / ".kvfs" / "quarantine")) == 2
+
+
+def test_the_xattrs_kvfs_keeps_on_a_chunk_do_not_make_it_checked_again(
+    passthrough_mount: Mount,
+) -> None:
+    """Pins and recency live in the backing file's xattrs, which move its ctime, not what a
+    passthrough open compares: a pinned chunk still passes through."""
+    path = vllm_io.chunk_path(str(passthrough_mount.path), 1)
+    vllm_io.store(path, vllm_io.chunk(1, ROW), o_direct=True)
+    passthrough_mount.settle()
+    assert vllm_io.load(path, ROW) == vllm_io.chunk_bytes(1, ROW)
+    os.setxattr(path, "user.kvfs.pin", b"1")
+    assert os.getxattr(passthrough_mount.on_backing(path), "user.kvfs.pinned") == b"1"
+    for _ in range(2):
+        assert vllm_io.load(path, ROW, o_direct=True) == vllm_io.chunk_bytes(1, ROW)
+    assert served_bytes(passthrough_mount) == 0
+    assert passthrough_mount.usage()["counters"]["changed_around"] == 0
+
+
+def test_a_chunk_read_in_passthrough_refuses_an_in_place_rewrite_until_its_reader_closes(
+    passthrough_mount: Mount,
+) -> None:
+    """The kernel passes an inode through to one backing file at a time: while a reader holds a
+    chunk in passthrough, a writer's open of the same name (its bytes would go to a temp file)
+    fails with ETXTBSY and changes nothing. vLLM never rewrites a chunk in place (a new one goes
+    to a temp name and is renamed); once the reader closed, the rewrite goes through."""
+    path = vllm_io.chunk_path(str(passthrough_mount.path), 1)
+    old, new = vllm_io.chunk_bytes(1, ROW), vllm_io.chunk_bytes(2, ROW)
+    vllm_io.store(path, old)
+    passthrough_mount.settle()
+    with open(path, "rb", buffering=0) as reader:
+        assert reader.read(4096) == old[:4096]
+        with pytest.raises(OSError) as err:
+            os.open(path, os.O_WRONLY)
+        assert err.value.errno == errno.ETXTBSY
+        assert reader.read() == old[4096:]
+    assert vllm_io.load(path, ROW) == old
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, new, 0)
+    finally:
+        os.close(fd)
+    passthrough_mount.settle()
+    assert vllm_io.load(path, ROW) == new
+
+
 def test_an_open_whose_backing_path_the_kernel_has_cached_takes_no_trip_to_the_pool(
     passthrough_mount: Mount,
 ) -> None:

@@ -298,29 +298,41 @@ def rewrite_in_place(path: str, data: bytes) -> None:
         os.close(fd)
 
 
+@pytest.fixture
+def served_mount(tmp_path: Path) -> Iterator[Mount]:
+    """A mount that serves every read: its readers of a chunk and an in-place rewriter of it
+    may hold it at once (a reader passed through pins the file's backing in the kernel, which
+    then refuses a writer's open: test_passthrough)."""
+    mount = make_mount(tmp_path, "--verify", "every-read")
+    try:
+        yield mount.start()
+    finally:
+        mount.stop()
+
+
 def test_a_reader_of_the_old_version_is_not_checked_against_the_new_one(
-    fresh_mount: Mount,
+    served_mount: Mount,
 ) -> None:
-    path = str(fresh_mount.path / "f")
+    path = str(served_mount.path / "f")
     old, new = vllm_io.chunk_bytes(1, CHUNK), vllm_io.chunk_bytes(2, CHUNK)
     vllm_io.store(path, old)
-    fresh_mount.settle()  # else the reader may pass through to the temp file (test_passthrough)
+    served_mount.settle()  # else the reader may pass through to the temp file (test_passthrough)
     with open(path, "rb") as reader:  # opened: its version is fixed, not yet read
         rewrite_in_place(path, new)
-        fresh_mount.settle()
+        served_mount.settle()
         assert reader.read() == old
     assert vllm_io.load(path, CHUNK) == new
-    assert os.getxattr(fresh_mount.path, "user.kvfs.checksum_failures") == b"0"
-    assert not os.listdir(fresh_mount.backing / ".kvfs" / "quarantine")
+    assert os.getxattr(served_mount.path, "user.kvfs.checksum_failures") == b"0"
+    assert not os.listdir(served_mount.backing / ".kvfs" / "quarantine")
 
 
-def test_after_an_in_place_rewrite_a_fresh_read_gets_the_new_bytes(fresh_mount: Mount) -> None:
+def test_after_an_in_place_rewrite_a_fresh_read_gets_the_new_bytes(served_mount: Mount) -> None:
     """Even when a reader of the old version fills the page cache after the rewrite."""
-    path = str(fresh_mount.path / "f")
+    path = str(served_mount.path / "f")
     size = 4 << 20
     versions = [vllm_io.chunk_bytes(k, size) for k in range(3)]
     vllm_io.store(path, versions[0])
-    fresh_mount.settle()  # else the reader may pass through to the temp file (test_passthrough)
+    served_mount.settle()  # else the reader may pass through to the temp file (test_passthrough)
     for previous, current in itertools.pairwise(versions):
         with open(path, "rb", buffering=0) as old_reader:
             assert old_reader.read(4096) == previous[:4096]
@@ -331,7 +343,7 @@ def test_after_an_in_place_rewrite_a_fresh_read_gets_the_new_bytes(fresh_mount: 
                 os.pwrite(fd, aligned, 0)
             finally:
                 os.close(fd)
-            fresh_mount.settle()
+            served_mount.settle()
             assert old_reader.read() == previous[4096:]  # its version, through the page cache
         with open(path, "rb") as f:
             assert f.read() == current

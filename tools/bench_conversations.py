@@ -493,9 +493,9 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/var/tmp/kvfs-bench"))
     parser.add_argument(
         "--mount-options",
-        default="--verify first-read",
-        help="options of the kvfs mount (default: %(default)s, so that --session auto takes "
-        "kvfs's own session with passthrough where it may)",
+        default="",
+        help="more options of the kvfs mount (default: none, the mount's own defaults: kvfs's "
+        "own session with passthrough reads where --session auto may take it)",
     )
     parser.add_argument(
         "--repeats",

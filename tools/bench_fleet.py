@@ -264,7 +264,7 @@ def main() -> int:
     parser.add_argument("--device-conversations", type=int, default=4, help="per engine")
     parser.add_argument("--host-conversations", type=int, default=8, help="per engine")
     parser.add_argument("--workdir", type=Path, default=Path("/var/tmp/kvfs-bench-fleet"))
-    parser.add_argument("--mount-options", default="--verify first-read")
+    parser.add_argument("--mount-options", default="", help="more kvfs mount options")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
     parser.add_argument("--plot", default="", help="PNG of the results ('' for none)")
     parser.add_argument("--json", action="store_true")

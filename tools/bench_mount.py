@@ -342,11 +342,12 @@ def main() -> int:
     return 0
 
 
-# How each session is mounted: pyfuse3 as today; kvfs's own session with passthrough reads
-# (its O_DIRECT stores checksummed after the publish, when the writers pause: the read-back
-# then competes with the loads measured next); and the same with each publish reading its
-# file back before it returns (--checksum-backlog 0). kernel-every-read: what `kvfs mount`
-# gives root by default (every read served and verified, stores in passthrough).
+# How each session is mounted: pyfuse3 as today; kvfs's own session with passthrough reads,
+# what `kvfs mount` gives root by default (its O_DIRECT stores checksummed after the
+# publish, when the writers pause: the read-back then competes with the loads measured
+# next); and the same with each publish reading its file back before it returns
+# (--checksum-backlog 0). kernel-every-read: every read served and verified, stores in
+# passthrough that read their O_DIRECT bytes back at the publish.
 SESSIONS = {
     "pyfuse3": ("--session", "pyfuse3"),
     "kernel-every-read": ("--session", "kernel", "--io-uring", "off"),

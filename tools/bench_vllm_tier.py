@@ -12,7 +12,7 @@ evictions), then, the page cache dropped, loads them back the same way and check
 them byte for byte. The default 2 GiB is past the GiB of O_DIRECT chunks a mount lets wait for
 their checksums (``--checksum-backlog``): from there on a chunk the mount cannot checksum from
 a declaration is read back from the disk at its publish, as in a sustained store load. Each
-mount tier has a mount of its own (``kvfs mount --verify first-read``: kvfs's own session with
+mount tier has a mount of its own (``kvfs mount`` as it comes: kvfs's own session with
 passthrough) over a backing directory beside the plain one; the targets take turns, in the
 opposite order each repeat. It prints GB/s per target (medians over the repeats) and the
 ratios to the plain directory; ``--json`` prints one object. About two minutes at the
@@ -42,10 +42,10 @@ from tools.bench_mount import Target, drop_caches
 TARGETS = ("fs_plain", "fs_mount", "kvfs_mount")
 MEASURES = ("store", "load")
 SAMPLE = 8  # blocks of each load checked byte for byte
-# kvfs's own session with passthrough (what `--session auto` picks for this on a local disk): the
-# kernel reads and writes the chunks' backing files itself, the daemon checksums what it
-# cannot see from a declaration or by reading it back.
-MOUNT_OPTIONS = ("--verify", "first-read")
+# The mount's defaults: kvfs's own session with passthrough (what `--session auto` picks for this
+# on a local disk): the kernel reads and writes the chunks' backing files itself, the daemon
+# checksums what it cannot see from a declaration or by reading it back.
+MOUNT_OPTIONS: tuple[str, ...] = ()
 
 
 def make_tier(kind: str, root: Path, region: HostRegion) -> Any:
