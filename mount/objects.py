@@ -1792,11 +1792,11 @@ class Objects:
         trusted = node.verified_as is not None
         return first_read and trusted and not node.rewritten and node.open_count == 0
 
-    def still_verified(self, node: Node, file: int | bytes) -> None:
-        """At a reader's open in passthrough, of the backing ``file`` (open, or its path): one
-        changed since it was verified (written around the mount: another process on the backing
-        directory) is no longer trusted, so that open is served and checks it."""
-        if node.verified_as is not None and file_stamp(file) != node.verified_as:
+    def still_verified(self, node: Node, stamp: tuple[int, int, int]) -> None:
+        """At a reader's open in passthrough, the ``file_stamp`` of the backing file it opened:
+        one changed since it was verified (written around the mount: another process on the
+        backing directory) is no longer trusted, so that open is served and checks it."""
+        if node.verified_as is not None and stamp != node.verified_as:
             node.verified_as = None
             self.counters.changed_around += 1
             log.warning("%s changed on the backing store since it was verified", self._name(node))
@@ -1804,15 +1804,19 @@ class Objects:
     def may_pass_through_held(self, node: Node) -> bool:
         """``may_pass_through`` for a reopen on the backing file the kernel still holds (no
         descriptor here), checked at its path: a stat in the loop that the kernel answers from
-        its caches (the file it holds keeps its path's entries there). False while the name
-        may be moving (the open then goes the usual way)."""
-        if self._ns.locked() or self._committing(node) or not self.may_pass_through(node):
+        its caches (the file it holds keeps its path's entries there). False where that finds
+        another file or none: the open then goes the usual way, which opens and checks it."""
+        if not self.may_pass_through(node):
             return False
         try:
-            self.still_verified(node, self.store.abs(self._backing_rel(node)))
-        except OSError:  # moved or removed around the mount: opened (and checked) afresh
+            stamp = file_stamp(self.store.abs(self._backing_rel(node)))
+        except OSError:  # moved or removed (around the mount, or by a change of names now)
             return False
-        return self.may_pass_through(node)
+        if stamp == node.verified_as:
+            return True
+        if not self._ns.locked():  # (a change of names may be moving files: told at the open)
+            self.still_verified(node, stamp)
+        return False
 
     def size(self, node: Node) -> tuple[int, int]:
         """Size and 512-byte blocks to show: the buffer's while it differs from the published,
@@ -1842,7 +1846,7 @@ class Objects:
             undo=lambda late: self.close_later(late.fd),
         )
         if passthrough:
-            self.still_verified(node, reader.fd)
+            self.still_verified(node, file_stamp(reader.fd))
         self.count_read(node)
         return reader
 
@@ -1860,7 +1864,7 @@ class Objects:
         if fd is None:
             raise NeedsIO()
         if passthrough:
-            self.still_verified(node, fd)
+            self.still_verified(node, file_stamp(fd))
         self.count_read(node)
         self.counters.cached_opens += 1
         return Reader(fd, node.checksum)

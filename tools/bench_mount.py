@@ -350,7 +350,7 @@ def main() -> int:
 # passthrough that read their O_DIRECT bytes back at the publish.
 SESSIONS = {
     "pyfuse3": ("--session", "pyfuse3"),
-    "kernel-every-read": ("--session", "kernel", "--io-uring", "off"),
+    "kernel-every-read": ("--session", "kernel", "--verify", "every-read", "--io-uring", "off"),
     "kernel": ("--session", "kernel", "--verify", "first-read", "--io-uring", "off"),
     # the same over FUSE-over-io_uring (offered to this mount for the run)
     "kernel-io-uring": ("--session", "kernel", "--verify", "first-read", "--io-uring", "auto"),
