@@ -244,6 +244,13 @@ class Reader:
     unpublished: bool = False
 
 
+def _stamped(read: Callable[..., T], fd: int, *args: Any) -> tuple[tuple[int, int, int], T]:
+    """On the pool: the ``file_stamp`` of an open file, then ``read(fd, *args)``: what a
+    passthrough open will compare, taken before the read checks the bytes (on a network store
+    a stat is a trip to the server: never in the loop)."""
+    return file_stamp(fd), read(fd, *args)
+
+
 class Objects:
     def __init__(
         self,
@@ -1795,7 +1802,9 @@ class Objects:
     def still_verified(self, node: Node, stamp: tuple[int, int, int]) -> None:
         """At a reader's open in passthrough, the ``file_stamp`` of the backing file it opened:
         one changed since it was verified (written around the mount: another process on the
-        backing directory) is no longer trusted, so that open is served and checks it."""
+        backing directory) is no longer trusted, so that open is served and checks it. (Taken
+        in the loop: passthrough is for local stores only, where a stat reads an inode in
+        memory; a served read's stamp is taken on the pool, ``_stamped``.)"""
         if node.verified_as is not None and stamp != node.verified_as:
             node.verified_as = None
             self.counters.changed_around += 1
@@ -2067,15 +2076,16 @@ class Objects:
 
     async def _read_verified(self, node: Node, reader: Reader) -> ChunkBuffer:
         """Check against the checksum of the version opened (a newer one may be published)."""
-        expected, stamp = reader.checksum, file_stamp(reader.fd)
+        expected = reader.checksum
         try:
-            data, digest = await self.io.read(
-                self.store.read_verified, reader.fd, expected, self.extents
+            read: tuple[tuple[int, int, int], tuple[ChunkBuffer, str]] = await self.io.read(
+                _stamped, self.store.read_verified, reader.fd, expected, self.extents
             )
         except ChecksumMismatch as err:
             if node.checksum == expected:  # the version the tree serves is bad
                 await self._quarantine(node, str(err))
             raise
+        stamp, (data, digest) = read
         self._checked(node, expected, digest, stamp)
         return data
 
@@ -2098,8 +2108,7 @@ class Objects:
         if not node.attached or not node.on_backing or node.ino in self.writes:
             return None
         reader = await self._open_backing(node)
-        stamp = file_stamp(reader.fd)
-        digest, size = await self.io.read(self._recheck_and_close, reader)
+        stamp, (digest, size) = await self.io.read(self._recheck_and_close, reader)
         if reader.checksum is not None and digest != reader.checksum:
             if node.checksum == reader.checksum:  # the version the tree serves is bad
                 await self._quarantine(node, f"scrub: checksum {digest} != {reader.checksum}")
@@ -2107,11 +2116,12 @@ class Objects:
         self._checked(node, reader.checksum, digest, stamp)
         return size, True
 
-    def _recheck_and_close(self, reader: Reader) -> tuple[str, int]:
-        """On the pool: ``store.recheck``, then the fd closed in the same trip (the scrub and
-        the sealer check thousands of small files: a trip each is what they cost)."""
+    def _recheck_and_close(self, reader: Reader) -> tuple[tuple[int, int, int], tuple[str, int]]:
+        """On the pool: ``store.recheck`` (``_stamped``), then the fd closed in the same trip
+        (the scrub and the sealer check thousands of small files: a trip each is what they
+        cost)."""
         try:
-            return self.store.recheck(reader.fd, reader.checksum)
+            return _stamped(self.store.recheck, reader.fd, reader.checksum)
         finally:
             os.close(reader.fd)
 

@@ -255,6 +255,48 @@ def test_a_hung_server_costs_at_most_the_io_timeout(share: Share) -> None:
         late.stop()
 
 
+def attempt(call: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    """``call()`` in a thread of its own, and what it returned, or its errno, once it did."""
+    got: list[object] = []
+
+    def run() -> None:
+        try:
+            got.append(call())
+        except OSError as err:
+            got.append(err.errno)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, got
+
+
+def test_a_read_waiting_on_a_hung_server_stalls_nothing_else(
+    share: Share, hosts: tuple[Mount, Mount]
+) -> None:
+    """A chunk opened while the server answered, read once it stopped: the read fails with EIO
+    after --io-timeout, and meanwhile the mount answers what needs no trip to the server (no
+    stat or read of the backing store runs in the request loop: a stat of a file on sshfs
+    asks the server)."""
+    write(hosts[0], "stall/c.bin", os.urandom(64 * 1024))
+    mount = share.mount("stall", "c", *SESSION_OPTIONS, "--io-timeout", "2")
+    client = share.server.clients[share.sshfs["c"]].proc
+    assert client is not None
+    try:
+        mount.start()
+        with open(mount.path / "stall" / "c.bin", "rb", buffering=0) as reader:
+            os.kill(client.pid, signal.SIGSTOP)
+            reading, read = attempt(reader.read)
+            time.sleep(0.5)  # its READ waits on the server
+            asking, asked = attempt(lambda: os.getxattr(mount.path, "user.kvfs.pid"))
+            asking.join(1.5)  # answered from memory, in the loop
+            assert asked == [str(mount.pid).encode()], "the mount stopped answering"
+            reading.join(2 + 15)  # 2 s and the machine's load
+            assert read == [errno.EIO]
+    finally:
+        os.kill(client.pid, signal.SIGCONT)
+        mount.stop()
+
+
 # -- what does not hold over sshfs, as documented ---------------------------------------------
 
 
