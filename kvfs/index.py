@@ -24,6 +24,8 @@ from kvfs.buffers import on_disk
 from kvfs.eviction import LRU, EvictionPolicy
 
 ROOT_INO = 1
+# What a write to a backing file changes: its inode, size and mtime (``store.file_stamp``).
+Stamp = tuple[int, int, int]
 
 
 class Node:
@@ -83,7 +85,7 @@ class Node:
         # ``store.file_stamp``) since the daemon started: at its own publish, a read that matched
         # the checksum, or a scrub. --verify first-read lets the kernel read it in passthrough
         # while the file stays so. None: not checked yet.
-        self.verified_as: tuple[int, int, int] | None = None
+        self.verified_as: Stamp | None = None
         # Bumped as each publish of new bytes under its name begins: a reader's open that saw
         # it change may hold another version than the one it read the checksum of.
         self.version = 0

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvfs import cached_open, checksum, layout, namespaces, vllm_layout
 from kvfs.buffers import ALIGN, EXTENT, ChunkBuffer, ExtentPool
-from kvfs.index import Index, Node
+from kvfs.index import Index, Node, Stamp
 
 log = logging.getLogger(__name__)
 
@@ -658,7 +658,7 @@ def _give_attrs(fd: int, mode: int, uid: int, gid: int, times_ns: tuple[int, int
     os.utime(fd, ns=times_ns)
 
 
-def file_stamp(file: int | bytes) -> tuple[int, int, int]:
+def file_stamp(file: int | bytes) -> Stamp:
     """What a write to a file (open, or at a path) changes: its inode, size and mtime (a
     write through the mount or around it; not the xattrs kvfs keeps on it, which move only the
     ctime). After a stat the filesystem's next timestamp is fine-grained (Linux 6.13+), so a

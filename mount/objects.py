@@ -42,7 +42,7 @@ from kvfs import layout, namespaces, process, vllm_layout
 from kvfs.buffers import EXTENT, ChunkBuffer, ExtentPool, extents_for
 from kvfs.checksum import ChecksumMismatch
 from kvfs.config import MountConfig
-from kvfs.index import Index, Node
+from kvfs.index import Index, Node, Stamp
 from kvfs.io_queues import DualQueuePool, Queue
 from kvfs.mount import shared
 from kvfs.mount.bridge import (
@@ -244,7 +244,7 @@ class Reader:
     unpublished: bool = False
 
 
-def _stamped(read: Callable[..., T], fd: int, *args: Any) -> tuple[tuple[int, int, int], T]:
+def _stamped(read: Callable[..., T], fd: int, *args: Any) -> tuple[Stamp, T]:
     """On the pool: the ``file_stamp`` of an open file, then ``read(fd, *args)``: what a
     passthrough open will compare, taken before the read checks the bytes (on a network store
     a stat is a trip to the server: never in the loop)."""
@@ -1594,7 +1594,7 @@ class Objects:
         return rewritten, prepared
 
     @staticmethod
-    def _published_as(ws: WriteState) -> tuple[int, int, int] | None:
+    def _published_as(ws: WriteState) -> Stamp | None:
         """A file this daemon just published is trusted as it stands (checksummed, or written
         by the kernel for its writers and sealed later): a passthrough file's stamp. None for
         one written from the buffer (no passthrough then: its first passthrough open checks
@@ -1799,7 +1799,7 @@ class Objects:
         trusted = node.verified_as is not None
         return first_read and trusted and not node.rewritten and node.open_count == 0
 
-    def still_verified(self, node: Node, stamp: tuple[int, int, int]) -> None:
+    def still_verified(self, node: Node, stamp: Stamp) -> None:
         """At a reader's open in passthrough, the ``file_stamp`` of the backing file it opened:
         one changed since it was verified (written around the mount: another process on the
         backing directory) is no longer trusted, so that open is served and checks it. (Taken
@@ -2078,7 +2078,7 @@ class Objects:
         """Check against the checksum of the version opened (a newer one may be published)."""
         expected = reader.checksum
         try:
-            read: tuple[tuple[int, int, int], tuple[ChunkBuffer, str]] = await self.io.read(
+            read: tuple[Stamp, tuple[ChunkBuffer, str]] = await self.io.read(
                 _stamped, self.store.read_verified, reader.fd, expected, self.extents
             )
         except ChecksumMismatch as err:
@@ -2089,9 +2089,7 @@ class Objects:
         self._checked(node, expected, digest, stamp)
         return data
 
-    def _checked(
-        self, node: Node, expected: str | None, digest: str, stamp: tuple[int, int, int]
-    ) -> None:
+    def _checked(self, node: Node, expected: str | None, digest: str, stamp: Stamp) -> None:
         """A version of the node read whole matched ``expected``, or had no checksum and now
         has ``digest`` (the store keeps it with the file it read); ``stamp``: its file's before
         the read (a write during it makes the next passthrough open check it again)."""
@@ -2116,7 +2114,7 @@ class Objects:
         self._checked(node, reader.checksum, digest, stamp)
         return size, True
 
-    def _recheck_and_close(self, reader: Reader) -> tuple[tuple[int, int, int], tuple[str, int]]:
+    def _recheck_and_close(self, reader: Reader) -> tuple[Stamp, tuple[str, int]]:
         """On the pool: ``store.recheck`` (``_stamped``), then the fd closed in the same trip
         (the scrub and the sealer check thousands of small files: a trip each is what they
         cost)."""
