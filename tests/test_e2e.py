@@ -31,6 +31,7 @@ def test_e2e_tiny_model_serves_every_tier_with_identical_logits() -> None:
             "256",
             "--user-tokens",
             "64",
+            "--settle",  # what was stored is found: no slow disk makes the host tier refuse
             "--json",
         ],
         capture_output=True,

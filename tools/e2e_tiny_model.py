@@ -11,6 +11,10 @@ of every position the connector path computed must equal the full recompute's ex
     python -m tools.e2e_tiny_model [--conversations 8] [--turns 4] [--root DIR] [--json]
 
 Without ``--root`` it mounts a fresh kvfs in a temporary directory (and unmounts it after).
+``--settle`` finishes every store before the next request (a user's think time between turns):
+then every stored prefix must come back, so a recompute of one is a defect, not a slow disk
+(without it, stores that still hold every host slot make the host tier refuse new ones, as a
+cache may).
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 prompt = history[conversation] + [
                     rng.randrange(model.shape.vocab) for _ in range(user)
                 ]
+                if args.settle:
+                    engine.drain()
                 served = engine.serve(f"c{conversation}t{turn}", prompt)
                 full = model.prefill(
                     prompt, 0, range(len(reference[model.layer_names[0]])), reference
@@ -116,6 +122,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--root", type=Path, help="fs tier directory (default: a fresh kvfs mount)")
+    parser.add_argument("--settle", action="store_true", help="finish stores between requests")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvfs-e2e-") as tmp:
