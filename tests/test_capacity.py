@@ -221,6 +221,7 @@ def test_two_processes_writing_three_times_the_capacity_read_back_exact(
     # left once every publish is done.
     small_mount.settle()
     assert used(small_mount) <= CAPACITY
+    evictions = int(os.getxattr(small_mount.path, "user.kvfs.evictions"))
     left = [
         k
         for s in (1, 2)
@@ -228,8 +229,17 @@ def test_two_processes_writing_three_times_the_capacity_read_back_exact(
         if os.access(path(small_mount, k), os.F_OK)
     ]
     assert left and len(left) * CHUNK <= CAPACITY
+    # The watermark sweep the last publishes began may still be evicting (in the background,
+    # down to 90 %; under load it outlasted the settle): a chunk it takes after the listing
+    # is a miss, never wrong or partial bytes, and every miss is one of its evictions.
+    missed = 0
     for key in left:
-        read(small_mount, key)
+        try:
+            read(small_mount, key)
+        except FileNotFoundError:
+            missed += 1
+    evicted = int(os.getxattr(small_mount.path, "user.kvfs.evictions")) - evictions
+    assert missed <= evicted and missed < len(left), (missed, evicted, len(left))
 
 
 def test_a_full_disk_evicts_rather_than_failing_stores_while_anything_may_go(
