@@ -8,13 +8,13 @@ has evicted some: their prefixes come back from the host tier, the fs tier on th
 are recomputed. Every prompt is also computed from scratch on a cache of its own; the logits
 of every position the connector path computed must equal the full recompute's exactly.
 
-    python -m tools.e2e_tiny_model [--conversations 8] [--turns 4] [--root DIR] [--json]
+    python -m tools.e2e_tiny_model [--conversations 8] [--turns 4] [--root DIR] [--settle] [--json]
 
 Without ``--root`` it mounts a fresh kvfs in a temporary directory (and unmounts it after).
-``--settle`` finishes every store before the next request (a user's think time between turns):
-then every stored prefix must come back, so a recompute of one is a defect, not a slow disk
-(without it, stores that still hold every host slot make the host tier refuse new ones, as a
-cache may).
+``--settle`` finishes every store before the next request (as the think time between a
+conversation's turns would): then every stored prefix must come back, so a recompute of one is
+a defect, not a slow disk (without it, stores still under way may hold every host slot, and the
+host tier then refuses new ones, as a cache may).
 """
 
 from __future__ import annotations
