@@ -238,8 +238,15 @@ def test_two_processes_writing_three_times_the_capacity_read_back_exact(
             read(small_mount, key)
         except FileNotFoundError:
             missed += 1
-    evicted = int(os.getxattr(small_mount.path, "user.kvfs.evictions")) - evictions
-    assert missed <= evicted and missed < len(left), (missed, evicted, len(left))
+    assert missed < len(left)
+    # (An eviction is counted once the kernel has dropped the name, a little after a read that
+    # asked the daemon finds it gone.)
+    deadline = time.monotonic() + 10
+    while (
+        evicted := int(os.getxattr(small_mount.path, "user.kvfs.evictions")) - evictions
+    ) < missed:
+        assert time.monotonic() < deadline, f"{missed} misses, {evicted} evictions"
+        time.sleep(0.01)
 
 
 def test_a_full_disk_evicts_rather_than_failing_stores_while_anything_may_go(
