@@ -182,6 +182,19 @@ def fresh_mount(tmp_path: Path) -> Iterator[Mount]:
         mount.stop()
 
 
+@pytest.fixture
+def unscrubbed_mount(tmp_path: Path) -> Iterator[Mount]:
+    """A mount of the test's own without the background scrub, for tests that flip a byte and
+    then check that their next step finds it: the scrub (a pass about every second over a
+    small tree) may find it first on a loaded machine and quarantine the file (a `kvfs verify`
+    subprocess then found nothing to report). test_passthrough.py tests the scrub."""
+    mount = make_mount(tmp_path, "--scrub-rate", "0")
+    try:
+        yield mount.start()
+    finally:
+        mount.stop()
+
+
 @contextmanager
 def buffered_mount(tmp: Path, *options: str) -> Iterator[Mount]:
     """A mount whose writes go through the daemon's write buffer: the pyfuse3 session, in both

@@ -268,15 +268,15 @@ def test_a_file_whose_last_writer_was_killed_mid_file_is_not_published(
 
 
 def test_a_quarantined_chunk_is_gone_for_every_later_lookup_and_never_read_short(
-    fresh_mount: Mount,
+    unscrubbed_mount: Mount,
 ) -> None:
     for key in range(12):  # the kernel drops names asynchronously unless told to wait
-        path = vllm_io.chunk_path(str(fresh_mount.path), key)
+        path = vllm_io.chunk_path(str(unscrubbed_mount.path), key)
         vllm_io.store(path, vllm_io.chunk_bytes(key, CHUNK))
         resolved = os.open(path, os.O_PATH)  # a name the kernel resolved before the damage
         try:
-            fresh_mount.settle()
-            flip_byte(fresh_mount.on_backing(path))
+            unscrubbed_mount.settle()
+            flip_byte(unscrubbed_mount.on_backing(path))
             with pytest.raises(OSError) as err:
                 vllm_io.load(path, CHUNK, o_direct=key % 2 == 0)
             assert err.value.errno == errno.EIO
@@ -287,7 +287,7 @@ def test_a_quarantined_chunk_is_gone_for_every_later_lookup_and_never_read_short
             assert err.value.errno in (errno.ENOENT, errno.ESTALE, errno.EIO)
         finally:
             os.close(resolved)
-    assert os.getxattr(fresh_mount.path, "user.kvfs.checksum_failures") == b"12"
+    assert os.getxattr(unscrubbed_mount.path, "user.kvfs.checksum_failures") == b"12"
 
 
 def rewrite_in_place(path: str, data: bytes) -> None:
