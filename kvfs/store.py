@@ -636,16 +636,17 @@ class BackingStore:
         mode: int | None,
         owner: tuple[int, int] | None,
         times_ns: tuple[int, int] | None,
-    ) -> os.stat_result:
+    ) -> tuple[Stamp, os.stat_result]:
+        """Set what is given; the file's ``file_stamp`` before, and its attributes after."""
         path = self.abs(rel)
-        is_link = stat.S_ISLNK(os.lstat(path).st_mode)
-        if mode is not None and not is_link:  # a symlink's mode means nothing on Linux
+        before = os.lstat(path)
+        if mode is not None and not stat.S_ISLNK(before.st_mode):  # a symlink's mode: nothing
             os.chmod(path, mode & 0o7777)
         if owner is not None:
             os.chown(path, *owner, follow_symlinks=False)
         if times_ns is not None:
             os.utime(path, ns=times_ns, follow_symlinks=False)
-        return os.lstat(path)
+        return stat_stamp(before), os.lstat(path)
 
     def statvfs(self) -> os.statvfs_result:
         return os.statvfs(self.root)
@@ -664,7 +665,11 @@ def file_stamp(file: int | bytes) -> Stamp:
     ctime). After a stat the filesystem's next timestamp is fine-grained (Linux 6.13+), so a
     write right after this call still moves the mtime. A bit that rots on the disk changes
     nothing: the scrub's."""
-    st = os.stat(file)
+    return stat_stamp(os.stat(file))
+
+
+def stat_stamp(st: os.stat_result) -> Stamp:
+    """``file_stamp`` from a stat already taken."""
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 

@@ -58,7 +58,7 @@ from kvfs.mount.bridge import (
 from kvfs.mount.eviction import EvictionReason, Evictor
 from kvfs.mount.sealer import Sealer
 from kvfs.mount.share import Share
-from kvfs.store import BackingStore, Found, Published, Sealed, file_stamp, fill_times
+from kvfs.store import BackingStore, Found, Published, Sealed, file_stamp, fill_times, stat_stamp
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -901,10 +901,14 @@ class Objects:
         async def op() -> None:
             async with self._ns:
                 if node.on_backing and node.attached:
-                    st = await self.io.read(
+                    before, st = await self.io.read(
                         self.store.set_attrs, self.index.path(node), mode, owner, times
                     )
                     node.ctime_ns = st.st_ctime_ns
+                    # A touch moves the mtime that a passthrough open compares, not the bytes:
+                    # still trusted, unless the file had changed around the mount before it.
+                    if before == node.verified_as:
+                        node.verified_as = stat_stamp(st)
                 else:  # its publish writes what the node says
                     node.ctime_ns = time.time_ns()
                     fd = self.passthrough_fd(node)

@@ -132,6 +132,27 @@ def test_the_xattrs_kvfs_keeps_on_a_chunk_do_not_make_it_checked_again(
     assert passthrough_mount.usage()["counters"]["changed_around"] == 0
 
 
+def test_a_touch_through_the_mount_is_not_a_change_around_it(passthrough_mount: Mount) -> None:
+    """utime through the mount moves the backing file's mtime, which a passthrough open
+    compares: the daemon made that change, so the chunk stays trusted (no warning, no count,
+    still passed through); a write around the mount after the touch is still caught."""
+    path = vllm_io.chunk_path(str(passthrough_mount.path), 1)
+    vllm_io.store(path, vllm_io.chunk(1, ROW), o_direct=True)
+    passthrough_mount.settle()
+    assert vllm_io.load(path, ROW) == vllm_io.chunk_bytes(1, ROW)
+    os.utime(path, ns=(1_000_000_000, 2_000_000_000))
+    os.utime(path)  # now
+    for _ in range(2):
+        assert vllm_io.load(path, ROW, o_direct=True) == vllm_io.chunk_bytes(1, ROW)
+    assert served_bytes(passthrough_mount) == 0
+    assert passthrough_mount.usage()["counters"]["changed_around"] == 0
+    flip_byte(passthrough_mount.on_backing(path))
+    with pytest.raises(OSError) as err:
+        vllm_io.load(path, ROW, o_direct=True)
+    assert err.value.errno == errno.EIO
+    assert passthrough_mount.usage()["counters"]["changed_around"] == 1
+
+
 def test_a_chunk_read_in_passthrough_refuses_an_in_place_rewrite_until_its_reader_closes(
     passthrough_mount: Mount,
 ) -> None:
