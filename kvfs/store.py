@@ -536,19 +536,25 @@ class BackingStore:
 
     def save_recency(self, reads: list[tuple[bytes, int, int]]) -> None:
         """Persist reads: (path, last read in ns, hits) each. A file may have gone (or moved)
-        since: then there is nothing to keep."""
+        since: then there is nothing to keep. Nor where a client put a symlink in its place:
+        the link is never followed (user xattrs on a symlink: EPERM)."""
         if self.xattrs:
             for rel, last_read_ns, hits in reads:
-                with contextlib.suppress(FileNotFoundError):
-                    os.setxattr(self.abs(rel), RECENCY_XATTR, b"%d %d" % (last_read_ns, hits))
+                with contextlib.suppress(FileNotFoundError, PermissionError):
+                    os.setxattr(
+                        self.abs(rel),
+                        RECENCY_XATTR,
+                        b"%d %d" % (last_read_ns, hits),
+                        follow_symlinks=False,
+                    )
 
     def save_pinned(self, rel: bytes, pinned: bool) -> None:
         path = self.abs(rel)
         if pinned:
-            os.setxattr(path, PINNED_XATTR, b"1")
+            os.setxattr(path, PINNED_XATTR, b"1", follow_symlinks=False)
         else:
             with contextlib.suppress(OSError):
-                os.removexattr(path, PINNED_XATTR)
+                os.removexattr(path, PINNED_XATTR, follow_symlinks=False)
 
     def fsync(self, rel: bytes) -> None:
         fd = os.open(self.abs(rel), os.O_RDONLY | os.O_CLOEXEC)

@@ -2109,7 +2109,12 @@ class Objects:
         there is nothing to check (gone, or being written)."""
         if not node.attached or not node.on_backing or node.ino in self.writes:
             return None
-        reader = await self._open_backing(node)
+        try:
+            reader = await self._open_backing(node)
+        except FileNotFoundError:
+            if node.attached:
+                raise  # gone from the backing store around the mount: the scrub says so
+            return None  # unlinked while the open waited for the lock, and removed since
         stamp, (digest, size) = await self.io.read(self._recheck_and_close, reader)
         if reader.checksum is not None and digest != reader.checksum:
             if node.checksum == reader.checksum:  # the version the tree serves is bad

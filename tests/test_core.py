@@ -197,6 +197,24 @@ def test_a_file_adopted_keeps_its_checksum_on_the_inode_read_or_in_memory(tmp_pa
         subprocess.run(["chattr", "-i", path], check=True)
 
 
+def test_recency_and_pins_never_follow_a_symlink_out_of_the_backing_store(tmp_path: Path) -> None:
+    """Recency is saved a second after the reads, by the path a file has then: a client that
+    replaced the file with a symlink meanwhile (to anywhere: the mount itself, /etc) must not
+    make the root daemon set an attribute there. Nothing is kept for the link, and no error."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not kvfs's")
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    (backing / "chunk.bin").symlink_to(victim)
+    (backing / "dir").symlink_to(tmp_path)
+    store = BackingStore(os.fsencode(backing))
+    store.save_recency([(b"chunk.bin", 123, 4), (b"dir", 123, 4), (b"gone.bin", 1, 1)])
+    with pytest.raises(OSError):  # a pin of a file that is no longer one: refused
+        store.save_pinned(b"chunk.bin", True)
+    store.save_pinned(b"chunk.bin", False)
+    assert os.listxattr(victim) == [] and os.listxattr(tmp_path) == []
+
+
 def test_chunk_buffer_writes_holes_truncates_and_reads_across_extents() -> None:
     pool = ExtentPool(8 << 20)
     buf = ChunkBuffer(pool)
