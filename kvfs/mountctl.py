@@ -104,6 +104,15 @@ def kvfs_mounts() -> dict[str, str]:
     return {e.mountpoint: e.device for e in _mountinfo() if e.fstype == KVFS_TYPE}
 
 
+def kvfs_connection(mountpoint: str) -> int | None:
+    """The FUSE connection (its device's minor: its name in fusectl) of the kvfs mount on top
+    of ``mountpoint``; None if the top mount is not kvfs."""
+    top = _top(os.path.abspath(mountpoint))
+    if top is None or top.fstype != KVFS_TYPE:
+        return None
+    return int(top.device.split(":")[1])
+
+
 def _stack(mountpoint: str) -> list[_Entry]:
     """The mounts on exactly this path, bottom first (each one is mounted on the one before)."""
     here = [e for e in _mountinfo() if e.mountpoint == mountpoint]

@@ -14,7 +14,7 @@ from pathlib import Path
 import trio
 import zmq
 
-from kvfs import cpu_latency, mount_options, mountctl
+from kvfs import cpu_latency, mount_options, mountctl, watchdog
 from kvfs.config import ConfigError, MountConfig, parse_capacity
 from kvfs.eviction import make_policy
 from kvfs.index import Index
@@ -177,6 +177,7 @@ def serve(cfg: MountConfig, ready_fd: int | None) -> int:
         ops.close()
         return 1
     _raise_read_ahead(mountpoint)
+    watchdog.start(mountpoint, os.getpid())
     log.info(
         "mounted %s (backing %s, capacity %d bytes, %d used, eviction %s, pid %d)",
         mountpoint,

@@ -6,6 +6,8 @@ import errno
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -200,3 +202,96 @@ def test_a_clean_umount_is_not_restarted(tmp_path: Path) -> None:
         for pid in mountctl.supervisors(str(mount.path)):
             os.kill(pid, signal.SIGKILL)
     assert mountctl.mount_stack(str(mount.path)) == []
+
+
+def watchdogs(mount: Mount) -> list[int]:
+    """Pids of the watchdogs of this mount's daemons (by their command line)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"kvfs.watchdog" in argv and os.fsencode(mount.path) in argv:
+            found.append(int(entry))
+    return found
+
+
+def test_the_watchdog_frees_the_clients_of_a_daemon_that_died_but_cannot_exit(
+    tmp_path: Path,
+) -> None:
+    """A daemon killed while one of its threads is stuck in the kernel (an invalidation
+    waiting for a directory lock that a client holds while it waits for the daemon) keeps
+    /dev/fuse open, and every client waits for ever. Played here by a daemon that is alive
+    but stopped (it answers nothing), and a watchdog watching a stand-in whose main thread
+    dies while another thread stays: the watchdog aborts the connection, and the waiting
+    client gets ENOTCONN, not a hang."""
+    mount = make_mount(tmp_path).start()
+    connection = mountctl.kvfs_connection(str(mount.path))
+    stand_in = subprocess.Popen([sys.executable, "-c", MAIN_THREAD_DIES], stdin=subprocess.PIPE)
+    watchdog = subprocess.Popen(
+        [sys.executable, "-m", "kvfs.watchdog", str(mount.path), str(stand_in.pid), str(connection)]
+    )
+    errors: list[int] = []
+    client = threading.Thread(target=lambda: errors.append(stat_errno(mount.path / "new")))
+    os.kill(mount.pid, signal.SIGSTOP)
+    try:
+        client.start()
+        client.join(1)
+        assert client.is_alive(), "the stopped daemon answered"
+        assert stand_in.stdin is not None
+        stand_in.stdin.close()  # its main thread exits; its other thread stays
+        client.join(10)
+        assert not client.is_alive(), "the client still waits on the dead daemon"
+        assert errors[0] in DEAD
+        assert watchdog.wait(10) == 0
+    finally:
+        os.kill(mount.pid, signal.SIGCONT)
+        stand_in.kill()
+        watchdog.kill()
+        mount.stop()
+
+
+# The main thread exits alone (exit(2), not exit_group(2)) once stdin closes; a thread stays.
+MAIN_THREAD_DIES = """
+import ctypes, sys, threading, time
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+sys.stdin.read()
+ctypes.CDLL(None).syscall(60, 0)  # SYS_exit on x86-64
+"""
+
+
+def stat_errno(path: Path) -> int:
+    try:
+        os.stat(path)
+    except OSError as err:
+        return err.errno or 0
+    return 0
+
+
+def test_every_daemon_has_a_watchdog_that_leaves_with_a_clean_unmount(tmp_path: Path) -> None:
+    """One watchdog per daemon; a clean unmount lets it go without aborting anything, and a
+    mount made at once in the same place (which may get the same connection number) works."""
+    mount = make_mount(tmp_path).start()
+    try:
+        [first] = watchdogs(mount)
+        kvfs("umount", str(mount.path))
+        wait_gone(first, timeout=10)
+        mount.start()
+        [second] = watchdogs(mount)
+        assert second != first
+        time.sleep(1)  # several of a stale watchdog's looks
+        engine_store(mount.path, 1)
+        assert vllm_io.load(vllm_io.chunk_path(str(mount.path), 1), CHUNK) == vllm_io.chunk_bytes(
+            1, CHUNK
+        )
+    finally:
+        mount.stop()
+    assert "aborted" not in daemon_log(mount.path).read_text()
+
+
+def test_a_killed_daemons_watchdog_leaves_too(dying_mount: tuple[Mount, int]) -> None:
+    mount, _ = dying_mount
+    [watchdog] = watchdogs(mount)
+    kill_daemon(mount)
+    wait_gone(watchdog, timeout=10)
