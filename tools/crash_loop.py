@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvfs import control_protocol, layout, mountctl, vllm_layout
+from kvfs.config import parse_size
 from tools import vllm_io
 
 KVFS = [sys.executable, "-m", "kvfs.cli"]
@@ -379,9 +380,12 @@ class Report:
 class CrashLoop:
     """One mountpoint and one backing directory, mounted, crashed and checked round after round."""
 
-    def __init__(self, base: Path, seed: int, mount_options: Sequence[str] = ()) -> None:
+    def __init__(
+        self, base: Path, seed: int, mount_options: Sequence[str] = (), capacity: int = CAPACITY
+    ) -> None:
         self.mnt, self.backing = base / "mnt", base / "backing"
         self.mount_options = tuple(mount_options)
+        self.capacity = capacity
         self.mnt.mkdir()
         self.backing.mkdir()
         # The directory under the mountpoint, as it is before anything is mounted on it.
@@ -408,7 +412,7 @@ class CrashLoop:
     def mount(self) -> None:
         args = ["mount", str(self.mnt), "--backing", str(self.backing)]
         done = subprocess.run(
-            [*KVFS, *args, "--capacity", str(CAPACITY), *self.mount_options],
+            [*KVFS, *args, "--capacity", str(self.capacity), *self.mount_options],
             capture_output=True,
             text=True,
             timeout=120,
@@ -600,7 +604,7 @@ class CrashLoop:
             what = f"{path} (mount, after the remount): {detail}{self.writer_of(path)}"
             self.fail(round_no, kind, what, counts, key=key_of(path))
         # Eviction only starts past the low watermark: below it, a vanished store was lost.
-        could_evict = (self.files_at_start + len(begun)) * CHUNK > 0.9 * CAPACITY
+        could_evict = (self.files_at_start + len(begun)) * CHUNK > 0.9 * self.capacity
         for key in acked.keys() - remounted.exact:
             if (ACKED_DEAD, key) in self.seen:
                 continue  # counted already: it never reached the daemon
@@ -651,6 +655,7 @@ def run(
     workdir: Path | None = None,
     say: Callable[[str], None] | None = None,
     mount_options: Sequence[str] = (),
+    capacity: int = CAPACITY,
 ) -> Report:
     """Run the loop (``kvfs mount`` given ``mount_options`` too, a session for one); never
     leaves a mount or a process of its own behind."""
@@ -658,7 +663,7 @@ def run(
     started = time.monotonic()
     per_round: list[RoundResult] = []
     with _workdir(workdir) as base:
-        loop = CrashLoop(base, seed, mount_options)
+        loop = CrashLoop(base, seed, mount_options, capacity)
         try:
             loop.mount()
             for round_no in range(rounds):
@@ -711,6 +716,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mount-options", default="", help="more kvfs mount options, e.g. '--session kernel'"
     )
+    parser.add_argument(
+        "--capacity",
+        type=parse_size,
+        default=CAPACITY,
+        help="the tier's capacity (256M: eviction only if a round writes far more; 8M evicts"
+        " in every round, so kills land amid evictions and the kernel invalidations they send)",
+    )
     args = parser.parse_args(argv)
     report = run(
         args.rounds,
@@ -718,6 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         args.workdir,
         say=lambda line: print(line, file=sys.stderr),
         mount_options=shlex.split(args.mount_options),
+        capacity=args.capacity,
     )
     if args.json:
         print(json.dumps(asdict(report), indent=2))
