@@ -41,8 +41,10 @@ def start(mountpoint: str, pid: int) -> subprocess.Popen[bytes] | None:
     from kvfs import mountctl  # (here: the watchdog itself starts without it, in 50 ms)
 
     connection = mountctl.kvfs_connection(mountpoint)
-    if connection is None or not _fusectl():
-        log.info("no watchdog: fusectl (%s) cannot be mounted by this user", FUSECTL)
+    if connection is None:
+        return None  # (not kvfs on top of it: nothing of ours to abort)
+    if not _fusectl():
+        log.info("no watchdog: fusectl (%s) is not mounted, and only root may mount it", FUSECTL)
         return None
     return subprocess.Popen(
         [sys.executable, "-m", "kvfs.watchdog", mountpoint, str(pid), str(connection)],
