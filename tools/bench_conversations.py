@@ -251,6 +251,9 @@ class SimEngine:
             if not cost:
                 time.sleep(0.0005)  # every request waits on I/O: let it run
         seconds = time.perf_counter() - started
+        # The bytes: every store the run began, each tier's included (the cascades still in
+        # flight at its end, untimed: on a loaded machine the fs tier's had not finished one).
+        self.flush()
         return RunResult(
             config, conversations, seconds, prompt_tokens, totals, ttfts, self._bytes()
         )
