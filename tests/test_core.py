@@ -358,3 +358,37 @@ def test_a_write_during_a_seal_is_never_hidden_behind_its_checksum(
         os.close(writer)
         os.close(fd)
     store.close()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        [],  # empty
+        [(0, b"dense" * 2000)],
+        [(0, b"x" * 5000), (None, 4 << 20)],  # a hole to the end
+        [(None, 4 << 20), ((4 << 20) - 3, b"end")],  # a hole first
+        [(0, b"a" * 4096), (2 << 20, b"b" * 9000), (None, 3 << 20)],  # data, hole, data, hole
+        [(None, 123457)],  # all hole, an odd size
+    ],
+    ids=["empty", "dense", "hole-to-end", "hole-first", "holes-between", "all-hole"],
+)
+def test_a_sparse_file_checksums_as_its_bytes_read(
+    tmp_path: Path, layout: list[tuple[int | None, object]]
+) -> None:
+    """Holes are hashed as zeros rather than mapped: the same checksum as the bytes read."""
+    path = tmp_path / "f"
+    with open(path, "wb") as f:
+        for offset, what in layout:
+            if offset is None:
+                assert isinstance(what, int)
+                f.truncate(what)
+            else:
+                assert isinstance(what, bytes)
+                f.seek(offset)
+                f.write(what)
+    data = path.read_bytes()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert checksum.of_file(fd) == (checksum.checksum(data), len(data))
+    finally:
+        os.close(fd)
