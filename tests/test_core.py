@@ -314,6 +314,11 @@ def test_a_file_that_cannot_be_mapped_is_checksummed_by_reading() -> None:
     path = "/sys/kernel/mm/transparent_hugepage/enabled"
     if not os.path.exists(path):
         pytest.skip(f"no {path} to stand in for a filesystem without mmap")
+    assert_checksums_as_read(path)
+
+
+def assert_checksums_as_read(path: str | Path) -> None:
+    """``checksum.of_file`` agrees with the checksum of the bytes a read returns."""
     with open(path, "rb") as f:
         data = f.read()
     fd = os.open(path, os.O_RDONLY)
@@ -386,9 +391,4 @@ def test_a_sparse_file_checksums_as_its_bytes_read(
                 assert isinstance(what, bytes)
                 f.seek(offset)
                 f.write(what)
-    data = path.read_bytes()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        assert checksum.of_file(fd) == (checksum.checksum(data), len(data))
-    finally:
-        os.close(fd)
+    assert_checksums_as_read(path)
